@@ -1,0 +1,16 @@
+"""Small helpers shared by the tests."""
+import os
+
+import torch
+
+
+def rel_err(actual: torch.Tensor, expected: torch.Tensor) -> float:
+    """‖actual − expected‖ / ‖expected‖ in float64; NaN anywhere fails loudly."""
+    a, e = actual.detach().double().cpu(), expected.detach().double().cpu()
+    assert torch.isfinite(a).all(), "result has NaN/Inf"
+    denom = e.norm().item()
+    return (a - e).norm().item() / (denom if denom > 0 else 1.0)
+
+
+INTERPRETER = os.environ.get("TRITON_INTERPRET") == "1"
+HAS_CUDA = torch.cuda.is_available()
