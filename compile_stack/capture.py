@@ -1,0 +1,123 @@
+"""The torch.compile backend: Inductor with our passes installed.
+
+``PassBackend`` is handed to ``torch.compile(backend=...)``. For each graph
+Dynamo captures it compiles with Inductor while our passes sit in Inductor's
+hooks, and keeps the pass report true across warm starts: when Inductor's
+caches serve a graph our passes do not run, so the backend stores each graph's
+replacement counts under a key of the graph's code and the passes' identity,
+and replays them on a cache hit.
+
+``PassBackend(codegen=False)`` runs the same stages on the same graphs —
+our pre-grad passes, AOTAutograd with Inductor's decompositions, our joint
+passes before the min-cut partitioner, our post-grad passes — but executes
+the resulting aten graphs as they are instead of generating code. Tests use
+it to check graph rewrites in seconds; it is also a debugging aid.
+"""
+import contextlib
+import functools
+import hashlib
+import json
+from collections import Counter
+from pathlib import Path
+
+import torch
+from torch._dynamo.backends.common import aot_autograd
+from torch._functorch.partitioners import min_cut_rematerialization_partition
+from torch._inductor.compile_fx import compile_fx
+from torch._inductor.decomposition import select_decomp_table
+
+from compile_stack import inspection, settings
+from passes import registry
+
+
+class PassBackend:
+    """A torch.compile backend running our passes inside Inductor."""
+
+    def __init__(
+        self,
+        passes: list[str] | None = None,
+        writer: inspection.InspectionWriter | None = None,
+        memory_budget: float | None = None,
+        name: str = "graph",
+        codegen: bool = True,
+    ):
+        self.pass_list = registry.resolve(passes)
+        self.memory_budget = memory_budget
+        self.name = name
+        self.codegen = codegen
+        self.graphs = 0
+        self.writer = writer
+
+    @contextlib.contextmanager
+    def active(self):
+        """Our passes, settings and inspection hooks in force.
+
+        The step runs inside this too: AOTAutograd may compile a backward
+        graph lazily, at the first ``backward()``.
+        """
+        observer = self.writer.observer() if self.writer else None
+        with (
+            registry.installed([p.name for p in self.pass_list], observer),
+            settings.memory_budget(self.memory_budget),
+            torch._inductor.config.patch(settings.inductor_options()),
+            inspection.capture_output_code(self.writer),
+        ):
+            yield
+
+    def __call__(self, gm: torch.fx.GraphModule, example_inputs):
+        graph_name = f"{self.name}{self.graphs}"
+        self.graphs += 1
+        report = registry.REPORT
+        runs_before, counts_before = Counter(report.runs), Counter(report.replacements)
+        if self.writer:
+            self.writer.begin_graph(graph_name, gm)
+        with self.active():
+            compiled = compile_fx(gm, example_inputs) if self.codegen else self._compile_without_codegen(gm, example_inputs)
+        self._settle_report(gm, runs_before, counts_before)
+        return compiled
+
+    def _compile_without_codegen(self, gm, example_inputs):
+        stage = {s: registry.StagePass(s, [p for p in self.pass_list if p.stage == s]) for s in registry.STAGES}
+        stage["pre_grad"](gm.graph)
+        gm.recompile()
+
+        def partition(joint, joint_inputs, **kwargs):
+            stage["joint"](joint.graph)
+            joint.recompile()
+            return min_cut_rematerialization_partition(joint, joint_inputs, **kwargs)
+
+        def compile_graph(graph_module, inputs, is_inference=False):
+            if is_inference:
+                stage["joint"](graph_module.graph)
+            stage["post_grad"](graph_module.graph)
+            graph_module.recompile()
+            return graph_module
+
+        return aot_autograd(
+            fw_compiler=compile_graph,
+            bw_compiler=compile_graph,
+            inference_compiler=functools.partial(compile_graph, is_inference=True),
+            partition_fn=partition,
+            decompositions=select_decomp_table(),
+            keep_inference_input_mutations=True,
+        )(gm, example_inputs)
+
+    def _report_key(self, gm: torch.fx.GraphModule) -> Path:
+        stages = [registry.StagePass(s, [p for p in self.pass_list if p.stage == s]).uuid() for s in registry.STAGES]
+        digest = hashlib.sha256(gm.code.encode() + b"".join(stages)).hexdigest()[:32]
+        return settings.default_cache_dir() / "pass_reports" / f"{digest}.json"
+
+    def _settle_report(self, gm, runs_before: Counter, counts_before: Counter) -> None:
+        """Replay stored counts for the stages a cache hit skipped; store this graph's counts."""
+        report = registry.REPORT
+        key = self._report_key(gm)
+        stored = json.loads(key.read_text()) if key.exists() else {}
+        counts = {}
+        for p in self.pass_list:
+            if report.runs[p.stage] != runs_before[p.stage]:
+                counts[p.name] = report.replacements[p.name] - counts_before[p.name]
+            else:
+                counts[p.name] = stored.get(p.name, 0)
+                report.replacements[p.name] += counts[p.name]
+        key.parent.mkdir(parents=True, exist_ok=True)
+        key.write_text(json.dumps(counts))

@@ -1,0 +1,67 @@
+"""The train step, eager or compiled.
+
+The harness semantics exactly (REFERENCE.md §1)::
+
+    optimizer.zero_grad(set_to_none=True)
+    loss = cross_entropy(model(inputs), targets).sum()
+    loss.backward()
+    optimizer.step()
+
+Compiled, every tensor op of it runs in code Inductor generated: forward and
+loss as one Dynamo graph whose backward AOTAutograd derives (so ``backward()``
+runs compiled code), and ``optimizer.step`` compiled as its own graph. We
+compile the optimizer's own ``step`` rather than rewrite it as a functional
+update, so the user's optimizer code is what runs: our ``param_data`` pass
+makes its ``p.data -= …`` compilable, and parameters and states are updated
+in place, so references the user holds see the new values.
+"""
+import contextlib
+import dataclasses
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+from compile_stack.capture import PassBackend
+from compile_stack.inspection import InspectionWriter
+from compile_stack.reference import cross_entropy
+
+
+@dataclasses.dataclass
+class StepOptions:
+    compile: bool = False
+    passes: list[str] | None = None  # None: all registered passes
+    inspect_dir: Path | None = None
+    memory_budget: float | None = None
+
+
+class TrainStep:
+    """Callable ``step(inputs, targets) -> loss`` (the loss tensor, not synced)."""
+
+    def __init__(self, model: torch.nn.Module, optimizer, options: StepOptions):
+        self.model = model
+        self.optimizer = optimizer
+        self.options = options
+        self.loss_fn: Callable = self._loss
+        self.optimizer_step: Callable = optimizer.step
+        self.backend = None
+        if options.compile:
+            writer = InspectionWriter(options.inspect_dir) if options.inspect_dir else None
+
+            def backend(name):
+                return PassBackend(options.passes, writer, options.memory_budget, name=name)
+
+            self.backend = backend("model")
+            self.loss_fn = torch.compile(self._loss, backend=self.backend, fullgraph=True)
+            self.optimizer_step = torch.compile(optimizer.step, backend=backend("optimizer"), fullgraph=True)
+
+    def _loss(self, inputs, targets):
+        return cross_entropy(self.model(inputs), targets).sum()
+
+    def __call__(self, inputs, targets):
+        with self.backend.active() if self.backend else contextlib.nullcontext():
+            self.optimizer.zero_grad(set_to_none=True)
+            loss = self.loss_fn(inputs, targets)
+            loss.backward()
+            self.optimizer_step()
+        return loss

@@ -1,0 +1,162 @@
+"""One registry for our graph passes, and their hook-up into Inductor.
+
+A pass is a function ``graph -> number of replacements`` registered under a
+name and an Inductor stage:
+
+- ``pre_grad``: the torch-level graph Dynamo captured, before autograd;
+- ``joint``: AOTAutograd's joint forward+backward graph (or the inference
+  graph), aten level, before partitioning — where a forward pattern and its
+  backward can be replaced together;
+- ``post_grad``: each partitioned graph, after functionalization.
+
+``installed()`` puts one ``CustomGraphPass`` per stage into Inductor's config
+hooks. Each has a stable ``uuid`` (a hash of the pass modules' source), so
+Inductor's FX-graph cache stays usable. Every run of a pass adds to
+``REPORT``: what each pass replaced, and notes on what it saw but left alone.
+"""
+import contextlib
+import dataclasses
+import importlib
+import inspect
+from collections import Counter
+from collections.abc import Callable, Iterable, Iterator
+
+import torch
+from torch._inductor.custom_graph_pass import CustomGraphPass, get_hash_for_files
+
+STAGES = ("pre_grad", "joint", "post_grad")
+# Inductor config hook per stage.
+_HOOKS = {
+    "pre_grad": "pre_grad_custom_pass",
+    "joint": "joint_custom_pre_pass",
+    "post_grad": "post_grad_custom_post_pass",
+}
+# Modules whose import registers the project's passes (one per pattern family).
+PASS_MODULES = ("passes.param_data",)
+
+GraphPassFn = Callable[[torch.fx.Graph], int]
+
+
+@dataclasses.dataclass(frozen=True)
+class RegisteredPass:
+    name: str
+    stage: str
+    fn: GraphPassFn
+    description: str
+
+    @property
+    def source_file(self) -> str:
+        return inspect.getsourcefile(self.fn)
+
+
+_PASSES: dict[str, RegisteredPass] = {}
+
+
+@dataclasses.dataclass
+class PassReport:
+    """Replacements per pass and notes on what a pass saw but did not rewrite."""
+
+    replacements: Counter = dataclasses.field(default_factory=Counter)
+    notes: list[str] = dataclasses.field(default_factory=list)
+    # How many times each stage of passes ran: unchanged across a compile means a cache hit.
+    runs: Counter = dataclasses.field(default_factory=Counter)
+
+    def clear(self) -> None:
+        self.replacements.clear()
+        self.notes.clear()
+        self.runs.clear()
+
+    def add(self, other: "PassReport") -> None:
+        self.replacements.update(other.replacements)
+        self.notes.extend(n for n in other.notes if n not in self.notes)
+
+    def as_dict(self, names: Iterable[str]) -> dict[str, int]:
+        return {name: int(self.replacements.get(name, 0)) for name in names}
+
+
+REPORT = PassReport()
+
+
+def register_pass(name: str, stage: str) -> Callable[[GraphPassFn], GraphPassFn]:
+    """Decorator: register ``fn(graph) -> replacements`` as pass ``name`` at ``stage``."""
+    if stage not in STAGES:
+        raise ValueError(f"stage: expected one of {STAGES}, got {stage!r}")
+
+    def decorate(fn: GraphPassFn) -> GraphPassFn:
+        if name in _PASSES and _PASSES[name].fn is not fn:
+            raise ValueError(f"name: a pass named {name!r} is already registered")
+        doc = (inspect.getdoc(fn) or "").split("\n")[0]
+        _PASSES[name] = RegisteredPass(name, stage, fn, doc)
+        return fn
+
+    return decorate
+
+
+def note(pass_name: str, message: str) -> None:
+    """Record something a pass saw but left alone (shown in the run's report)."""
+    entry = f"{pass_name}: {message}"
+    if entry not in REPORT.notes:
+        REPORT.notes.append(entry)
+
+
+def load_all() -> dict[str, RegisteredPass]:
+    """Import every pass module (registering its passes) and return the registry."""
+    for module in PASS_MODULES:
+        importlib.import_module(module)
+    return dict(_PASSES)
+
+
+def resolve(names: Iterable[str] | None) -> list[RegisteredPass]:
+    """The registered passes named (all of them when ``names`` is None), in stage order."""
+    registry = load_all()
+    if names is None:
+        chosen = list(registry.values())
+    else:
+        unknown = sorted(set(names) - registry.keys())
+        if unknown:
+            raise ValueError(f"passes: unknown pass {unknown}; expected some of {sorted(registry)}")
+        chosen = [registry[n] for n in names]
+    return sorted(chosen, key=lambda p: STAGES.index(p.stage))
+
+
+class StagePass(CustomGraphPass):
+    """Runs our passes of one stage, in order, and records what they did."""
+
+    def __init__(self, stage: str, passes: list[RegisteredPass], observer=None):
+        self.stage = stage
+        self.passes = passes
+        # Called as observer(stage, graph, when), when in ("before", "after"), around the passes.
+        self.observer = observer
+
+    def __call__(self, graph: torch.fx.Graph) -> None:
+        REPORT.runs[self.stage] += 1
+        if self.observer:
+            self.observer(self.stage, graph, "before")
+        for p in self.passes:
+            count = p.fn(graph)
+            if count:
+                graph.lint()
+                REPORT.replacements[p.name] += count
+        if self.observer:
+            self.observer(self.stage, graph, "after")
+
+    def uuid(self) -> bytes:
+        files = tuple(sorted({p.source_file for p in self.passes} | {__file__}))
+        return get_hash_for_files(files, extra=self.stage + ":" + ",".join(p.name for p in self.passes))
+
+
+@contextlib.contextmanager
+def installed(names: Iterable[str] | None = None, observer=None) -> Iterator[list[RegisteredPass]]:
+    """Install the named passes (default: all) into Inductor's hooks for the duration."""
+    passes = resolve(names)
+    patch = {
+        _HOOKS[stage]: StagePass(stage, [p for p in passes if p.stage == stage], observer)
+        for stage in STAGES
+        if any(p.stage == stage for p in passes)
+    }
+    with torch._inductor.config.patch(patch):
+        yield passes
+
+
+def pass_names() -> list[str]:
+    return list(load_all())
