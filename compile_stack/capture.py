@@ -22,6 +22,7 @@ from pathlib import Path
 
 import torch
 from torch._dynamo.backends.common import aot_autograd
+from torch._functorch.aot_autograd import make_boxed_func
 from torch._functorch.partitioners import min_cut_rematerialization_partition
 from torch._inductor.compile_fx import compile_fx
 from torch._inductor.decomposition import select_decomp_table
@@ -91,7 +92,7 @@ class PassBackend:
                 stage["joint"](graph_module.graph)
             stage["post_grad"](graph_module.graph)
             graph_module.recompile()
-            return graph_module
+            return make_boxed_func(graph_module.forward)
 
         return aot_autograd(
             fw_compiler=compile_graph,

@@ -33,6 +33,7 @@ class StepOptions:
     passes: list[str] | None = None  # None: all registered passes
     inspect_dir: Path | None = None
     memory_budget: float | None = None
+    codegen: bool = True  # False: run our passes' aten graphs as they are (tests, debugging)
 
 
 class TrainStep:
@@ -49,7 +50,7 @@ class TrainStep:
             writer = InspectionWriter(options.inspect_dir) if options.inspect_dir else None
 
             def backend(name):
-                return PassBackend(options.passes, writer, options.memory_budget, name=name)
+                return PassBackend(options.passes, writer, options.memory_budget, name=name, codegen=options.codegen)
 
             self.backend = backend("model")
             self.loss_fn = torch.compile(self._loss, backend=self.backend, fullgraph=True)

@@ -1,0 +1,58 @@
+"""Memory estimates: refuse a config that cannot fit before allocating anything.
+
+The estimate is deliberately simple and errs high; it is a guard, not a plan.
+
+- State: parameters, gradients and the two AdamW moments, all in the model
+  dtype (REFERENCE.md §2): 4 × params × bytes.
+- Eager (the reference as written): per layer, autograd keeps the S×S scores
+  several times over (scores, mask result, exp, weights: 4 tensors of
+  B·H·S² elements) plus the token activations below; the loss keeps the full
+  logits three times (logits, shifted, log-probs).
+- Compiled with our ops: no S×S and no T×V tensor. Per layer and token the
+  step saves between a floor (the block input, the attention output and its
+  log-sum-exp) and everything a block computes (the inputs of all seven
+  matmuls, the SwiGLU products), as the activation memory budget decides;
+  plus one layer's full working set during the backward, and the
+  cross-entropy chunk.
+"""
+import os
+
+import torch
+
+from compile_stack.config import ModelConfig
+
+GIB = 2**30
+# Of the memory a device reports, the share a run may plan to use (allocator slack).
+USABLE_FRACTION = 0.92
+CE_CHUNK_BYTES = 1.25 * GIB
+
+
+def _token_bytes_per_layer(cfg: ModelConfig, nbytes: int) -> tuple[float, float]:
+    """(floor, everything) bytes a layer saves per token."""
+    d, f = cfg.d_model, cfg.d_ff
+    floor = 2 * d * nbytes + cfg.heads * 4
+    everything = (8 * d + 3 * f) * nbytes + cfg.heads * 4
+    return floor, everything
+
+
+def estimate_peak_bytes(cfg: ModelConfig, compiled: bool, memory_budget: float = 1.0, nbytes: int = 2) -> float:
+    state = 4 * cfg.params * nbytes
+    floor, everything = _token_bytes_per_layer(cfg, nbytes)
+    if not compiled:
+        scores = 4 * cfg.batch * cfg.heads * cfg.seq**2 * nbytes
+        logits = 3 * cfg.tokens * cfg.vocab * nbytes
+        return state + cfg.layers * (scores + cfg.tokens * everything) + logits
+    saved = floor + memory_budget * (everything - floor)
+    working = cfg.tokens * everything + CE_CHUNK_BYTES
+    return state + cfg.layers * cfg.tokens * saved + working
+
+
+def fits(cfg: ModelConfig, compiled: bool, device_bytes: float, memory_budget: float = 1.0) -> bool:
+    return estimate_peak_bytes(cfg, compiled, memory_budget) <= USABLE_FRACTION * device_bytes
+
+
+def device_bytes(device: torch.device) -> float:
+    """Memory a run on ``device`` can have: the GPU's, or the machine's RAM for the CPU."""
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).total_memory
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")

@@ -1,0 +1,92 @@
+"""``--profile FILE``: a torch.profiler trace of one step and where its time went.
+
+Kernels are put in categories by name: our kernels carry the op's name
+(attention, cross-entropy, AdamW), cuBLAS/CUTLASS kernels are matmuls,
+Inductor's generated kernels (``triton_poi``/``triton_red``/``triton_per``)
+and torch's elementwise kernels are elementwise/norm, NCCL kernels are
+communication. Each category gets its share of device time and, where its
+work is known from the config, the rate it achieved.
+"""
+import re
+from collections import defaultdict
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+from compile_stack.config import ModelConfig
+
+CATEGORIES = ("attention", "matmul", "cross_entropy", "optimizer", "elementwise_norm", "communication", "other")
+_PATTERNS = [
+    ("attention", r"attn|attention|flash|fmha|sdpa"),
+    ("cross_entropy", r"cross_entropy|softmax_grad|_ce_"),
+    ("optimizer", r"adam"),
+    ("communication", r"nccl"),
+    ("matmul", r"gemm|cutlass|xmma|nvjet|cublas|matmul|sm90_|aten::(add|b)?mm\b"),
+    ("elementwise_norm", r"triton_|elementwise|vectorized|reduce|norm|copy|fill|cat"),
+]
+
+
+def categorize(kernel_name: str) -> str:
+    name = kernel_name.lower()
+    for category, pattern in _PATTERNS:
+        if re.search(pattern, name):
+            return category
+    return "other"
+
+
+def _known_work(cfg: ModelConfig) -> dict[str, tuple[float, str]]:
+    """Work per category for one step: (amount, unit). Matmuls and attention in FLOPs."""
+    attention = 3 * cfg.layers * 4 * cfg.batch * cfg.heads * cfg.seq**2 * cfg.head_dim / 2
+    block_matmuls = cfg.layers * (4 * cfg.d_model**2 + 3 * cfg.d_model * cfg.d_ff)
+    lm_head = 6 * cfg.d_model * cfg.vocab * cfg.tokens
+    return {
+        "attention": (attention, "TFLOP/s"),
+        "matmul": (6 * block_matmuls * cfg.tokens, "TFLOP/s"),
+        "cross_entropy": (lm_head, "TFLOP/s"),
+        # AdamW reads p, g, m, v and writes p, m, v: 7 accesses per parameter.
+        "optimizer": (7 * 2 * cfg.params, "GB/s"),
+    }
+
+
+def profile_step(step_fn, cfg: ModelConfig, trace_path: str) -> dict:
+    """Run ``step_fn`` once under the profiler, write the trace, return the breakdown."""
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
+    with profile(activities=activities) as prof:
+        step_fn()
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+    prof.export_chrome_trace(str(trace_path))
+    return breakdown(prof.key_averages(), cfg)
+
+
+def breakdown(events, cfg: ModelConfig) -> dict:
+    """Device time per category (falls back to CPU self time when there is no device)."""
+    on_device = torch.cuda.is_available()
+    totals = defaultdict(float)
+    for event in events:
+        if on_device:
+            us = getattr(event, "self_device_time_total", getattr(event, "self_cuda_time_total", 0.0))
+        else:
+            us = event.self_cpu_time_total
+        if us > 0 and not event.key.startswith("ProfilerStep"):
+            totals[categorize(event.key)] += us
+    total_us = sum(totals.values()) or 1.0
+    work = _known_work(cfg)
+    result = {}
+    for category in CATEGORIES:
+        ms = totals.get(category, 0.0) / 1e3
+        row = {"ms": round(ms, 3), "share": round(totals.get(category, 0.0) / total_us, 4)}
+        if category in work and ms > 0:
+            amount, unit = work[category]
+            rate = amount / (ms / 1e3) / 1e12 if unit == "TFLOP/s" else amount / (ms / 1e3) / 1e9
+            row[unit] = round(rate, 1)
+        result[category] = row
+    return result
+
+
+def format_breakdown(result: dict) -> str:
+    lines = [f"{'category':<18}{'ms':>12}{'share':>8}  rate"]
+    for category, row in result.items():
+        rate = next((f"{v} {k}" for k, v in row.items() if k.endswith("/s")), "")
+        lines.append(f"{category:<18}{row['ms']:>12.1f}{row['share']:>8.1%}  {rate}")
+    return "\n".join(lines)

@@ -1,0 +1,287 @@
+"""Run the leaderboard's train step, eagerly or compiled with our passes and kernels.
+
+    python run_step.py                 # eager reference step, default preset
+    python run_step.py --compile       # compiled: our passes + Triton kernels + Inductor
+
+Prints the config, compile time, median step time, tokens/s, peak memory, MFU,
+the loss and what each of our passes replaced. See --help for the options.
+"""
+import argparse
+import copy
+import json
+import platform
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from compile_stack import memory, settings
+from compile_stack.config import H200_PEAK_BF16_FLOPS, PRESET_ORDER, PRESETS, ModelConfig
+from compile_stack.reference import AdamW, build_model
+from compile_stack.step import StepOptions, TrainStep
+from passes import registry
+
+OVERRIDES = ("layers", "seq", "batch", "d_model", "heads", "d_ff", "vocab")
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0],
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    p.add_argument("--compile", action="store_true", help="compile the step (default: run it eagerly)")
+    p.add_argument("--preset", choices=sorted(PRESETS), help="model size (default: the largest that fits; tiny on CPU)")
+    for name in OVERRIDES:
+        p.add_argument(f"--{name.replace('_', '-')}", type=int, help=f"override the preset's {name}")
+    p.add_argument("--steps", type=int, default=10, help="timed steps (median reported)")
+    p.add_argument("--warmup", type=int, default=3, help="untimed steps after the first (compiling) step")
+    p.add_argument("--device", help="cuda or cpu (default: cuda when available)")
+    p.add_argument("--dtype", choices=("bfloat16", "float32"), default="bfloat16", help="model dtype")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--passes", help="comma-separated passes to run (default: all registered)")
+    p.add_argument("--memory-budget", type=float,
+                   help="activation memory budget in [0, 1] for the partitioner: lower saves less and recomputes "
+                        "more (default: the largest the memory estimate allows)")
+    p.add_argument("--check", action="store_true",
+                   help="also run the eager reference step from the same weights and data and report relative errors")
+    p.add_argument("--inspect", type=Path, metavar="DIR", help="write graphs before/after our passes and Inductor's code to DIR")
+    p.add_argument("--json", type=Path, metavar="FILE", help="write a machine-readable summary to FILE")
+    p.add_argument("--cache-dir", type=Path, help=f"compile caches (default: ${settings.CACHE_ENV} or ~/.cache/compile_stack)")
+    p.add_argument("--fresh-cache", action="store_true", help="start from empty compile caches (a cold start)")
+    p.add_argument("--compare", choices=("stock",), help="also time the step built from stock PyTorch parts, in this process")
+    p.add_argument("--profile", type=Path, metavar="FILE", help="write a torch.profiler trace of one step and print a breakdown")
+    p.add_argument("--force", action="store_true", help="run even if the memory estimate says the config does not fit")
+    args = p.parse_args(argv)
+    for name in ("steps", "warmup"):
+        if getattr(args, name) < 0:
+            p.error(f"--{name}: expected a non-negative integer, got {getattr(args, name)}")
+    if args.steps < 1:
+        p.error("--steps: expected at least 1 timed step")
+    if args.inspect and not args.compile:
+        p.error("--inspect: needs --compile (there are no compiled graphs to inspect otherwise)")
+    if args.memory_budget is not None and not 0.0 <= args.memory_budget <= 1.0:
+        p.error(f"--memory-budget: expected a fraction in [0, 1], got {args.memory_budget}")
+    return args
+
+
+def log(msg: str) -> None:
+    print(msg, flush=True)
+
+
+def choose_config(args, device: torch.device, device_bytes: float | None) -> tuple[str, ModelConfig, str]:
+    """The preset (given, or the largest that fits) with the command-line overrides applied."""
+    overrides = {name: getattr(args, name) for name in OVERRIDES}
+    if args.preset:
+        return args.preset, PRESETS[args.preset].with_overrides(**overrides), "given"
+    if device.type != "cuda":
+        return "tiny", PRESETS["tiny"].with_overrides(**overrides), "no GPU: tiny runs on the CPU"
+    for name in PRESET_ORDER:
+        cfg = PRESETS[name].with_overrides(**overrides)
+        if memory.fits(cfg, args.compile, device_bytes, memory_budget=0.0):
+            estimate = memory.estimate_peak_bytes(cfg, args.compile, 0.0) / memory.GIB
+            return name, cfg, f"largest preset whose estimate ({estimate:.0f} GiB) fits the GPU's {device_bytes / memory.GIB:.0f} GiB"
+    return "tiny", PRESETS["tiny"].with_overrides(**overrides), "nothing larger fits"
+
+
+def choose_budget(args, cfg: ModelConfig, device: torch.device, device_bytes: float | None) -> float | None:
+    """The least recomputation that fits: the largest budget whose estimate fits the device."""
+    if args.memory_budget is not None or not args.compile or device.type != "cuda":
+        return args.memory_budget
+    for budget in [b / 20 for b in range(20, -1, -1)]:
+        if memory.fits(cfg, True, device_bytes, budget):
+            return budget
+    return 0.0
+
+
+class FirstCallTimer:
+    """Wraps a step; remembers how long its first (compiling) call took, synchronized."""
+
+    def __init__(self, step):
+        self.step = step
+        self.first_s = None
+
+    def __call__(self, *batch):
+        if self.first_s is not None:
+            return self.step(*batch)
+        t0 = time.perf_counter()
+        loss = self.step(*batch)
+        loss.detach().item()  # synchronizes
+        self.first_s = time.perf_counter() - t0
+        return loss
+
+
+def timed_steps(step, batch, n: int, device: torch.device) -> tuple[list[float], float]:
+    """Milliseconds per step (CUDA events on a GPU, the wall clock on a CPU), and the last loss."""
+    times = []
+    for i in range(n):
+        if device.type == "cuda":
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            loss = step(*batch)
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end))
+        else:
+            t0 = time.perf_counter()
+            loss = step(*batch)
+            times.append((time.perf_counter() - t0) * 1e3)
+        log(f"  step {i + 1}/{n}: {times[-1]:.1f} ms")
+    return times, loss.detach().item()
+
+
+def peak_memory_gib(device: torch.device) -> float:
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / memory.GIB
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / memory.GIB
+
+
+def measure(step: FirstCallTimer, batch, args, device, cfg: ModelConfig, label: str) -> dict:
+    """First (compiling) step unless it already ran, warm-up, timed steps; the summary figures."""
+    if step.first_s is None:
+        log(f"[{label}] first step (compiles when compiled)...")
+        step(*batch)
+    log(f"[{label}] first step took {step.first_s:.1f} s")
+    for i in range(args.warmup):
+        step(*batch)
+        log(f"[{label}] warm-up {i + 1}/{args.warmup}")
+    log(f"[{label}] timing {args.steps} steps...")
+    times, loss = timed_steps(step, batch, args.steps, device)
+    step_ms = statistics.median(times)
+    return {
+        "compile_s": round(step.first_s, 2),
+        "step_ms": round(step_ms, 2),
+        "tokens_per_s": round(cfg.tokens / (step_ms / 1e3), 1),
+        "peak_mem_gib": round(peak_memory_gib(device), 2),
+        "mfu": round(cfg.flops_per_step / (step_ms / 1e3) / H200_PEAK_BF16_FLOPS, 4),
+        "loss": round(loss, 5),
+    }
+
+
+def run(args) -> dict:
+    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise SystemExit("--device: expected cpu on this machine (no CUDA GPU is available), got cuda")
+    device_bytes = memory.device_bytes(device)
+    preset, cfg, why = choose_config(args, device, device_bytes)
+    budget = choose_budget(args, cfg, device, device_bytes)
+    dtype = getattr(torch, args.dtype)
+    device_name = torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "cpu"
+    log(f"device: {device} ({device_name}); torch {torch.__version__}")
+    log(f"preset: {preset} ({why}); config: {cfg}")
+    log(f"mode: {'compiled' if args.compile else 'eager'}; dtype {args.dtype}; memory budget: {budget}")
+    estimate = memory.estimate_peak_bytes(cfg, args.compile, budget if budget is not None else 1.0)
+    if estimate > memory.USABLE_FRACTION * device_bytes and not args.force:
+        raise SystemExit(
+            f"config does not fit: estimated peak {estimate / memory.GIB:.1f} GiB "
+            f"({'compiled' if args.compile else 'eager'}, budget {budget}) with {device_bytes / memory.GIB:.1f} GiB "
+            f"on {device}. "
+            "Use a smaller preset or overrides, --compile, a lower --memory-budget, or --force to try anyway."
+        )
+
+    settings.use_cache_dir(args.cache_dir, fresh=args.fresh_cache)
+    log(f"compile caches: {settings.default_cache_dir()}{' (emptied)' if args.fresh_cache else ''}")
+    passes = args.passes.split(",") if args.passes else None
+    pass_names = [p.name for p in registry.resolve(passes)]
+
+    log("building the model...")
+    torch.manual_seed(args.seed)
+    model = build_model(cfg, device, dtype)
+    generator = torch.Generator(device="cpu").manual_seed(args.seed + 1)
+    batch = tuple(torch.randint(cfg.vocab, (cfg.batch, cfg.seq), generator=generator).to(device) for _ in range(2))
+    options = StepOptions(compile=args.compile, passes=passes, inspect_dir=args.inspect, memory_budget=budget)
+    reference_model = copy.deepcopy(model) if args.check else None
+    step = FirstCallTimer(TrainStep(model, AdamW(model.parameters()), options))
+
+    summary = {
+        "device": str(device), "device_name": device_name, "torch": torch.__version__,
+        "preset": preset, "config": cfg.__dict__, "dtype": args.dtype, "compiled": args.compile,
+        "memory_budget": budget, "estimated_peak_gib": round(estimate / memory.GIB, 1),
+    }
+    if args.check:
+        from compile_stack.check import STEPS, compare_steps
+
+        log(f"check: {STEPS} steps compiled vs eager reference from the same weights and data...")
+        eager = TrainStep(reference_model, AdamW(reference_model.parameters()), StepOptions())
+        summary["check"] = compare_steps(step, eager, model, reference_model, [batch] * STEPS)
+        del eager, reference_model
+        log(f"check: {json.dumps(summary['check'])}")
+
+    summary.update(measure(step, batch, args, device, cfg, "ours"))
+    summary["passes"] = registry.REPORT.as_dict(pass_names)
+    summary["pass_notes"] = list(registry.REPORT.notes)
+    _raise_on_bad_targets()
+
+    if args.profile:
+        from compile_stack.profiling import format_breakdown, profile_step
+
+        log(f"profiling one step into {args.profile}...")
+        summary["profile"] = profile_step(lambda: step(*batch), cfg, args.profile)
+        log(format_breakdown(summary["profile"]))
+
+    if args.compare == "stock":
+        summary["compare"] = compare_stock(args, cfg, device, dtype, batch, summary, model, step)
+    return summary
+
+
+def _raise_on_bad_targets() -> None:
+    """The fused cross-entropy flags out-of-range targets on device; read it after a sync."""
+    try:
+        from custom_ops.linear_cross_entropy import check_targets_flag
+    except ImportError:
+        return
+    check_targets_flag()
+
+
+def compare_stock(args, cfg, device, dtype, batch, ours: dict, model, step) -> dict:
+    """Free our step, build the stock one on fresh weights, and time it the same way."""
+    from compile_stack.stock import StockStep
+
+    del step, model
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(device)
+    log("[stock] building the stock step (torch.compile per block, SDPA, checkpointing, fused AdamW)...")
+    torch.manual_seed(args.seed)
+    stock = measure(FirstCallTimer(StockStep(build_model(cfg, device, dtype))), batch, args, device, cfg, "stock")
+    return {
+        "stock": stock,
+        "speedup": round(stock["step_ms"] / ours["step_ms"], 3),
+        "memory_ratio": round(ours["peak_mem_gib"] / stock["peak_mem_gib"], 3) if stock["peak_mem_gib"] else None,
+    }
+
+
+def print_summary(s: dict) -> None:
+    log("")
+    log(f"{'mode':<22}{'compiled' if s['compiled'] else 'eager'}")
+    for key in ("compile_s", "step_ms", "tokens_per_s", "peak_mem_gib", "mfu", "loss"):
+        log(f"{key:<22}{s[key]}")
+    log(f"{'passes':<22}{s['passes']}")
+    for n in s["pass_notes"]:
+        log(f"{'':<22}note: {n}")
+    if "check" in s:
+        log(f"{'check':<22}{'ok' if s['check']['ok'] else 'FAILED'} {s['check']}")
+    if "compare" in s:
+        c = s["compare"]
+        log(f"{'stock step_ms':<22}{c['stock']['step_ms']} (ours {s['step_ms']}: {c['speedup']}x)")
+        log(f"{'stock peak_mem_gib':<22}{c['stock']['peak_mem_gib']} (ours {s['peak_mem_gib']})")
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    try:
+        summary = run(args)
+    except torch.OutOfMemoryError as e:
+        raise SystemExit(f"out of memory: {str(e).splitlines()[0]}\nTry --memory-budget lower, or a smaller config.")
+    print_summary(summary)
+    if args.json:
+        args.json.write_text(json.dumps(summary, indent=2))
+        log(f"summary written to {args.json}")
+    return 0 if summary.get("check", {}).get("ok", True) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
