@@ -1,0 +1,523 @@
+"""FlashAttention (forward + two-kernel backward) as the ``cstack`` custom ops.
+
+    torch.ops.cstack.flash_attention_fwd(q, k, v, is_causal, scale) -> (out, lse)
+    torch.ops.cstack.flash_attention_bwd(dout, q, k, v, out, lse, is_causal, scale) -> (dq, dk, dv)
+
+q is ``[B, H, Sq, D]`` or ``[N, Sq, D]``, k and v ``[..., Sk, D]``. ``lse`` is the fp32
+natural-log row log-sum-exp of ``scale * q @ k^T`` (masked); the backward recomputes the
+probabilities from it, so nothing of size Sq x Sk is ever stored.
+
+CUDA tensors run the Triton kernels below; CPU tensors run a plain-torch version that
+works in fp32 on chunks of queries. The Triton launchers (``triton_fwd``, ``triton_bwd``)
+also run on CPU tensors under ``TRITON_INTERPRET=1``, which is how the tests check them.
+"""
+import math
+import os
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from custom_ops.checks import FLOAT_DTYPES, check_like, check_tensor, require
+
+HEAD_DIMS = (16, 32, 64, 128, 256)
+
+
+@dataclass(frozen=True)
+class Tiles:
+    """One kernel's launch shape: a query tile, a key tile, warps and pipeline stages.
+
+    warp_specialize (forward only) asks Triton to warp-specialize the unmasked key loop.
+    Off by default: on the H200 it gained nothing measurable (triton 3.6) and fails to
+    compile with 4 warps; the plain pipelined loop is the tested path.
+    """
+
+    block_m: int
+    block_n: int
+    num_warps: int
+    num_stages: int
+    warp_specialize: bool = False
+
+
+@dataclass(frozen=True)
+class AttnConfig:
+    """Tiles of the forward kernel and of the two backward kernels (dK/dV and dQ)."""
+
+    fwd: Tiles
+    dkdv: Tiles
+    dq: Tiles
+
+
+# Hopper (sm_90) configs keyed by (head dim, dtype). Fixed on purpose: autotuning would
+# cost compile time the whole-step budget does not have. The D=64 and D=128 16-bit rows
+# are the winners of `benchmarks/bench_attention.py --sweep` on an H200 (causal bf16,
+# shapes b and a there); the other rows are untimed guesses scaled from them.
+_SM90_16BIT = {
+    16: AttnConfig(Tiles(128, 64, 4, 3), Tiles(32, 128, 4, 3), Tiles(128, 64, 4, 3)),
+    32: AttnConfig(Tiles(128, 64, 4, 3), Tiles(32, 128, 4, 3), Tiles(128, 64, 4, 3)),
+    64: AttnConfig(Tiles(128, 64, 8, 3), Tiles(32, 128, 4, 3), Tiles(128, 64, 8, 4)),
+    128: AttnConfig(Tiles(128, 128, 8, 3), Tiles(64, 128, 8, 3), Tiles(128, 64, 8, 3)),
+    256: AttnConfig(Tiles(64, 64, 4, 2), Tiles(32, 64, 4, 2), Tiles(64, 32, 4, 2)),
+}
+_SM90_FP32 = {
+    16: AttnConfig(Tiles(64, 32, 4, 2), Tiles(32, 64, 4, 2), Tiles(64, 32, 4, 2)),
+    32: AttnConfig(Tiles(64, 32, 4, 2), Tiles(32, 64, 4, 2), Tiles(64, 32, 4, 2)),
+    64: AttnConfig(Tiles(64, 32, 4, 2), Tiles(32, 64, 4, 2), Tiles(64, 32, 4, 2)),
+    128: AttnConfig(Tiles(64, 32, 4, 2), Tiles(32, 64, 4, 1), Tiles(64, 32, 4, 1)),
+    256: AttnConfig(Tiles(32, 32, 4, 1), Tiles(16, 32, 4, 1), Tiles(32, 16, 4, 1)),
+}
+CONFIGS = {
+    **{(d, dt): cfg for dt in (torch.bfloat16, torch.float16) for d, cfg in _SM90_16BIT.items()},
+    **{(d, torch.float32): cfg for d, cfg in _SM90_FP32.items()},
+}
+# Under the interpreter: small tiles, with unequal query/key tiles so tests cover that.
+INTERPRETER_CONFIG = AttnConfig(Tiles(32, 16, 4, 1), Tiles(16, 32, 4, 1), Tiles(32, 16, 4, 1))
+DELTA_BLOCK_M = 64
+
+LOG2E = 1.4426950408889634  # host copy, folded into qk_scale
+_LOG2E = tl.constexpr(LOG2E)  # kernel copies
+_LN2 = tl.constexpr(0.6931471805599453)
+
+
+def pick_config(head_dim: int, dtype: torch.dtype) -> AttnConfig:
+    """The tile table entry for this head dim and dtype (tiny tiles under the interpreter)."""
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        return INTERPRETER_CONFIG
+    return CONFIGS[(head_dim, dtype)]
+
+
+# --------------------------------------------------------------------------- kernels
+
+
+@triton.jit
+def _fwd_inner(acc, l_i, m_i, q, k_base, v_base, sks, svs, rows, offs_n, offs_d, lo, hi, SK, qk_scale,
+               BLOCK_N: tl.constexpr, MASK: tl.constexpr, PREC: tl.constexpr, WS: tl.constexpr):
+    """Online softmax over key tiles [lo, hi). MASK: 0 none, 1 causal diagonal, 2 key bound."""
+    for start_n in tl.range(lo, hi, BLOCK_N, warp_specialize=WS):
+        cols = start_n + offs_n
+        k_ptrs = k_base + cols[:, None] * sks + offs_d[None, :]
+        v_ptrs = v_base + cols[:, None] * svs + offs_d[None, :]
+        if MASK == 0:
+            k = tl.load(k_ptrs)
+            v = tl.load(v_ptrs)
+        else:
+            k = tl.load(k_ptrs, mask=cols[:, None] < SK, other=0.0)
+            v = tl.load(v_ptrs, mask=cols[:, None] < SK, other=0.0)
+        s = tl.dot(q, tl.trans(k), input_precision=PREC)
+        if MASK == 1:
+            s = tl.where(rows[:, None] >= cols[None, :], s, float("-inf"))
+        if MASK == 2:
+            s = tl.where(cols[None, :] < SK, s, float("-inf"))
+        # Scores stay unscaled; scale*log2(e) is folded into the exp2 argument.
+        m_new = tl.maximum(m_i, tl.max(s, 1) * qk_scale)
+        p = tl.math.exp2(s * qk_scale - m_new[:, None])
+        alpha = tl.math.exp2(m_i - m_new)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision=PREC)
+        m_i = m_new
+    return acc, l_i, m_i
+
+
+@triton.jit
+def _fwd_kernel(Q, K, V, O, LSE, qk_scale, H, SQ, SK,
+                sqz, sqh, sqs, skz, skh, sks, svz, svh, svs, soz, soh, sos,
+                IS_CAUSAL: tl.constexpr, HEAD_D: tl.constexpr, BLOCK_M: tl.constexpr,
+                BLOCK_N: tl.constexpr, PREC: tl.constexpr, WS: tl.constexpr):
+    # Axis 0 is (batch, head) so every head's last (largest causal) query tile starts first.
+    zh = tl.program_id(0)
+    start_m = (tl.num_programs(1) - 1 - tl.program_id(1)) * BLOCK_M
+    z = (zh // H).to(tl.int64)
+    h = (zh % H).to(tl.int64)
+    rows = start_m + tl.arange(0, BLOCK_M)
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, HEAD_D)
+    row_ok = rows < SQ
+
+    q = tl.load(Q + z * sqz + h * sqh + rows[:, None] * sqs + offs_d[None, :], mask=row_ok[:, None], other=0.0)
+    k_base = K + z * skz + h * skh
+    v_base = V + z * svz + h * svh
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, HEAD_D], tl.float32)
+    if IS_CAUSAL:
+        # Key tiles left of the diagonal need no mask; tiles right of it are never touched.
+        diag_lo = (start_m // BLOCK_N) * BLOCK_N
+        acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, k_base, v_base, sks, svs, rows, offs_n, offs_d,
+                                   0, diag_lo, SK, qk_scale, BLOCK_N, 0, PREC, WS)
+        acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, k_base, v_base, sks, svs, rows, offs_n, offs_d,
+                                   diag_lo, tl.minimum(start_m + BLOCK_M, SK), SK, qk_scale, BLOCK_N, 1, PREC, False)
+    else:
+        full_hi = (SK // BLOCK_N) * BLOCK_N
+        acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, k_base, v_base, sks, svs, rows, offs_n, offs_d,
+                                   0, full_hi, SK, qk_scale, BLOCK_N, 0, PREC, WS)
+        acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, k_base, v_base, sks, svs, rows, offs_n, offs_d,
+                                   full_hi, SK, SK, qk_scale, BLOCK_N, 2, PREC, False)
+    out = acc / l_i[:, None]
+    tl.store(O + z * soz + h * soh + rows[:, None] * sos + offs_d[None, :], out.to(O.dtype.element_ty),
+             mask=row_ok[:, None])
+    tl.store(LSE + zh.to(tl.int64) * SQ + rows, (m_i + tl.math.log2(l_i)) * _LN2, mask=row_ok)
+
+
+@triton.jit
+def _bwd_delta_kernel(O, DO, DELTA, H, SQ, soz, soh, sos, sdz, sdh, sds,
+                      HEAD_D: tl.constexpr, BLOCK_M: tl.constexpr):
+    """delta = rowsum(dO * O), the softmax-backward correction, once per query row."""
+    zh = tl.program_id(0)
+    z = (zh // H).to(tl.int64)
+    h = (zh % H).to(tl.int64)
+    rows = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, HEAD_D)
+    row_ok = rows < SQ
+    o = tl.load(O + z * soz + h * soh + rows[:, None] * sos + offs_d[None, :], mask=row_ok[:, None], other=0.0)
+    do = tl.load(DO + z * sdz + h * sdh + rows[:, None] * sds + offs_d[None, :], mask=row_ok[:, None], other=0.0)
+    delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), 1)
+    tl.store(DELTA + zh.to(tl.int64) * SQ + rows, delta, mask=row_ok)
+
+
+@triton.jit
+def _dkdv_inner(dk, dv, k, v, q_base, do_base, lse_base, delta_base, sqs, sds, cols, offs_m, offs_d,
+                lo, hi, SQ, qk_scale, BLOCK_M: tl.constexpr, CAUSAL_MASK: tl.constexpr, PREC: tl.constexpr):
+    """Accumulate dK, dV of one key tile over query tiles [lo, hi), in transposed (key-major) form."""
+    for start_m in range(lo, hi, BLOCK_M):
+        rows = start_m + offs_m
+        row_ok = rows < SQ
+        # Rows past SQ load as zeros (q, dO, lse, delta), which makes their terms vanish.
+        q = tl.load(q_base + rows[:, None] * sqs + offs_d[None, :], mask=row_ok[:, None], other=0.0)
+        do = tl.load(do_base + rows[:, None] * sds + offs_d[None, :], mask=row_ok[:, None], other=0.0)
+        lse2 = tl.load(lse_base + rows, mask=row_ok, other=0.0) * _LOG2E
+        delta = tl.load(delta_base + rows, mask=row_ok, other=0.0)
+        p_t = tl.math.exp2(tl.dot(k, tl.trans(q), input_precision=PREC) * qk_scale - lse2[None, :])
+        if CAUSAL_MASK:
+            p_t = tl.where(rows[None, :] >= cols[:, None], p_t, 0.0)
+        dv = tl.dot(p_t.to(do.dtype), do, dv, input_precision=PREC)
+        dp_t = tl.dot(v, tl.trans(do), input_precision=PREC)
+        ds_t = p_t * (dp_t - delta[None, :])
+        dk = tl.dot(ds_t.to(q.dtype), q, dk, input_precision=PREC)
+    return dk, dv
+
+
+@triton.jit
+def _bwd_dkdv_kernel(Q, K, V, DO, DK, DV, LSE, DELTA, qk_scale, scale, H, SQ, SK,
+                     sqz, sqh, sqs, skz, skh, sks, svz, svh, svs, sdz, sdh, sds,
+                     sdkz, sdkh, sdks, sdvz, sdvh, sdvs,
+                     IS_CAUSAL: tl.constexpr, HEAD_D: tl.constexpr, BLOCK_M: tl.constexpr,
+                     BLOCK_N: tl.constexpr, PREC: tl.constexpr):
+    # Each program owns one key tile and loops over the query tiles that can see it; causal
+    # work is largest for the first key tiles, which the grid order starts first.
+    zh = tl.program_id(0)
+    start_n = tl.program_id(1) * BLOCK_N
+    z = (zh // H).to(tl.int64)
+    h = (zh % H).to(tl.int64)
+    cols = start_n + tl.arange(0, BLOCK_N)
+    offs_m = tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, HEAD_D)
+    col_ok = cols < SK
+    k = tl.load(K + z * skz + h * skh + cols[:, None] * sks + offs_d[None, :], mask=col_ok[:, None], other=0.0)
+    v = tl.load(V + z * svz + h * svh + cols[:, None] * svs + offs_d[None, :], mask=col_ok[:, None], other=0.0)
+    q_base = Q + z * sqz + h * sqh
+    do_base = DO + z * sdz + h * sdh
+    lse_base = LSE + zh.to(tl.int64) * SQ
+    delta_base = DELTA + zh.to(tl.int64) * SQ
+    dk = tl.zeros([BLOCK_N, HEAD_D], tl.float32)
+    dv = tl.zeros([BLOCK_N, HEAD_D], tl.float32)
+    if IS_CAUSAL:
+        # Query tiles that straddle the diagonal compare indices; later ones see every key.
+        lo = (start_n // BLOCK_M) * BLOCK_M
+        mid = lo + tl.cdiv(start_n + BLOCK_N - lo, BLOCK_M) * BLOCK_M
+        dk, dv = _dkdv_inner(dk, dv, k, v, q_base, do_base, lse_base, delta_base, sqs, sds, cols, offs_m,
+                             offs_d, lo, tl.minimum(mid, SQ), SQ, qk_scale, BLOCK_M, True, PREC)
+        dk, dv = _dkdv_inner(dk, dv, k, v, q_base, do_base, lse_base, delta_base, sqs, sds, cols, offs_m,
+                             offs_d, mid, SQ, SQ, qk_scale, BLOCK_M, False, PREC)
+    else:
+        dk, dv = _dkdv_inner(dk, dv, k, v, q_base, do_base, lse_base, delta_base, sqs, sds, cols, offs_m,
+                             offs_d, 0, SQ, SQ, qk_scale, BLOCK_M, False, PREC)
+    tl.store(DK + z * sdkz + h * sdkh + cols[:, None] * sdks + offs_d[None, :], (dk * scale).to(DK.dtype.element_ty),
+             mask=col_ok[:, None])
+    tl.store(DV + z * sdvz + h * sdvh + cols[:, None] * sdvs + offs_d[None, :], dv.to(DV.dtype.element_ty),
+             mask=col_ok[:, None])
+
+
+@triton.jit
+def _dq_inner(dq, q, do, lse2, delta, k_base, v_base, sks, svs, rows, offs_n, offs_d, lo, hi, SK, qk_scale,
+              BLOCK_N: tl.constexpr, MASK: tl.constexpr, PREC: tl.constexpr):
+    """Accumulate dQ of one query tile over key tiles [lo, hi). MASK as in _fwd_inner."""
+    for start_n in range(lo, hi, BLOCK_N):
+        cols = start_n + offs_n
+        k_ptrs = k_base + cols[:, None] * sks + offs_d[None, :]
+        v_ptrs = v_base + cols[:, None] * svs + offs_d[None, :]
+        if MASK == 0:
+            k = tl.load(k_ptrs)
+            v = tl.load(v_ptrs)
+        else:
+            k = tl.load(k_ptrs, mask=cols[:, None] < SK, other=0.0)
+            v = tl.load(v_ptrs, mask=cols[:, None] < SK, other=0.0)
+        p = tl.math.exp2(tl.dot(q, tl.trans(k), input_precision=PREC) * qk_scale - lse2[:, None])
+        if MASK == 1:
+            p = tl.where(rows[:, None] >= cols[None, :], p, 0.0)
+        if MASK == 2:
+            p = tl.where(cols[None, :] < SK, p, 0.0)
+        dp = tl.dot(do, tl.trans(v), input_precision=PREC)
+        ds = p * (dp - delta[:, None])
+        dq = tl.dot(ds.to(k.dtype), k, dq, input_precision=PREC)
+    return dq
+
+
+@triton.jit
+def _bwd_dq_kernel(Q, K, V, DO, DQ, LSE, DELTA, qk_scale, scale, H, SQ, SK,
+                   sqz, sqh, sqs, skz, skh, sks, svz, svh, svs, sdz, sdh, sds, sdqz, sdqh, sdqs,
+                   IS_CAUSAL: tl.constexpr, HEAD_D: tl.constexpr, BLOCK_M: tl.constexpr,
+                   BLOCK_N: tl.constexpr, PREC: tl.constexpr):
+    zh = tl.program_id(0)
+    start_m = (tl.num_programs(1) - 1 - tl.program_id(1)) * BLOCK_M
+    z = (zh // H).to(tl.int64)
+    h = (zh % H).to(tl.int64)
+    rows = start_m + tl.arange(0, BLOCK_M)
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, HEAD_D)
+    row_ok = rows < SQ
+    q = tl.load(Q + z * sqz + h * sqh + rows[:, None] * sqs + offs_d[None, :], mask=row_ok[:, None], other=0.0)
+    do = tl.load(DO + z * sdz + h * sdh + rows[:, None] * sds + offs_d[None, :], mask=row_ok[:, None], other=0.0)
+    lse2 = tl.load(LSE + zh.to(tl.int64) * SQ + rows, mask=row_ok, other=0.0) * _LOG2E
+    delta = tl.load(DELTA + zh.to(tl.int64) * SQ + rows, mask=row_ok, other=0.0)
+    k_base = K + z * skz + h * skh
+    v_base = V + z * svz + h * svh
+    dq = tl.zeros([BLOCK_M, HEAD_D], tl.float32)
+    if IS_CAUSAL:
+        diag_lo = (start_m // BLOCK_N) * BLOCK_N
+        dq = _dq_inner(dq, q, do, lse2, delta, k_base, v_base, sks, svs, rows, offs_n, offs_d,
+                       0, diag_lo, SK, qk_scale, BLOCK_N, 0, PREC)
+        dq = _dq_inner(dq, q, do, lse2, delta, k_base, v_base, sks, svs, rows, offs_n, offs_d,
+                       diag_lo, tl.minimum(start_m + BLOCK_M, SK), SK, qk_scale, BLOCK_N, 1, PREC)
+    else:
+        full_hi = (SK // BLOCK_N) * BLOCK_N
+        dq = _dq_inner(dq, q, do, lse2, delta, k_base, v_base, sks, svs, rows, offs_n, offs_d,
+                       0, full_hi, SK, qk_scale, BLOCK_N, 0, PREC)
+        dq = _dq_inner(dq, q, do, lse2, delta, k_base, v_base, sks, svs, rows, offs_n, offs_d,
+                       full_hi, SK, SK, qk_scale, BLOCK_N, 2, PREC)
+    tl.store(DQ + z * sdqz + h * sdqh + rows[:, None] * sdqs + offs_d[None, :], (dq * scale).to(DQ.dtype.element_ty),
+             mask=row_ok[:, None])
+
+
+# --------------------------------------------------------------------------- launchers
+
+
+def _as_4d(t: torch.Tensor) -> torch.Tensor:
+    """[N, S, D] -> [1, N, S, D]; the kernels index rows through strides, so the last dim must be dense."""
+    t = t if t.dim() == 4 else t.unsqueeze(0)
+    return t if t.stride(-1) == 1 else t.contiguous()
+
+
+def _strides(t: torch.Tensor) -> tuple[int, int, int]:
+    return t.stride(0), t.stride(1), t.stride(2)
+
+
+def _precision(dtype: torch.dtype) -> str:
+    # fp32 inputs must not silently drop to tf32 (they are the accuracy reference).
+    return "ieee" if dtype == torch.float32 else "tf32"
+
+
+def triton_fwd(q, k, v, is_causal: bool, scale: float, config: AttnConfig | None = None):
+    """Run the Triton forward; returns (out, lse). Inputs must already be validated."""
+    q4, k4, v4 = _as_4d(q), _as_4d(k), _as_4d(v)
+    Z, H, SQ, D = q4.shape
+    SK = k4.shape[2]
+    t = (config or pick_config(D, q.dtype)).fwd
+    out = torch.empty((Z, H, SQ, D), dtype=q.dtype, device=q.device)
+    lse = torch.empty((Z, H, SQ), dtype=torch.float32, device=q.device)
+    grid = (Z * H, triton.cdiv(SQ, t.block_m))
+    _fwd_kernel[grid](
+        q4, k4, v4, out, lse, scale * LOG2E, H, SQ, SK,
+        *_strides(q4), *_strides(k4), *_strides(v4), *_strides(out),
+        IS_CAUSAL=is_causal, HEAD_D=D, BLOCK_M=t.block_m, BLOCK_N=t.block_n, PREC=_precision(q.dtype), WS=t.warp_specialize,
+        num_warps=t.num_warps, num_stages=t.num_stages,
+    )
+    return out.view(q.shape), lse.view(q.shape[:-1])
+
+
+def triton_bwd(dout, q, k, v, out, lse, is_causal: bool, scale: float, config: AttnConfig | None = None):
+    """Run the Triton backward (delta, then dK/dV, then dQ); returns (dq, dk, dv)."""
+    q4, k4, v4, do4, o4 = _as_4d(q), _as_4d(k), _as_4d(v), _as_4d(dout), _as_4d(out)
+    Z, H, SQ, D = q4.shape
+    SK = k4.shape[2]
+    cfg = config or pick_config(D, q.dtype)
+    lse = lse.contiguous()
+    delta = torch.empty((Z, H, SQ), dtype=torch.float32, device=q.device)
+    dq = torch.empty((Z, H, SQ, D), dtype=q.dtype, device=q.device)
+    dk = torch.empty((Z, H, SK, D), dtype=k.dtype, device=q.device)
+    dv = torch.empty((Z, H, SK, D), dtype=v.dtype, device=q.device)
+    prec = _precision(q.dtype)
+
+    _bwd_delta_kernel[(Z * H, triton.cdiv(SQ, DELTA_BLOCK_M))](
+        o4, do4, delta, H, SQ, *_strides(o4), *_strides(do4), HEAD_D=D, BLOCK_M=DELTA_BLOCK_M,
+    )
+    t = cfg.dkdv
+    _bwd_dkdv_kernel[(Z * H, triton.cdiv(SK, t.block_n))](
+        q4, k4, v4, do4, dk, dv, lse, delta, scale * LOG2E, scale, H, SQ, SK,
+        *_strides(q4), *_strides(k4), *_strides(v4), *_strides(do4), *_strides(dk), *_strides(dv),
+        IS_CAUSAL=is_causal, HEAD_D=D, BLOCK_M=t.block_m, BLOCK_N=t.block_n, PREC=prec,
+        num_warps=t.num_warps, num_stages=t.num_stages,
+    )
+    t = cfg.dq
+    _bwd_dq_kernel[(Z * H, triton.cdiv(SQ, t.block_m))](
+        q4, k4, v4, do4, dq, lse, delta, scale * LOG2E, scale, H, SQ, SK,
+        *_strides(q4), *_strides(k4), *_strides(v4), *_strides(do4), *_strides(dq),
+        IS_CAUSAL=is_causal, HEAD_D=D, BLOCK_M=t.block_m, BLOCK_N=t.block_n, PREC=prec,
+        num_warps=t.num_warps, num_stages=t.num_stages,
+    )
+    return dq.view(q.shape), dk.view(k.shape), dv.view(v.shape)
+
+
+# --------------------------------------------------------------------------- torch (CPU) path
+
+CPU_CHUNK = 256  # queries per step: bounds the score block to CPU_CHUNK x Sk per (batch, head)
+
+
+def _causal_mask(c0: int, c1: int, device: torch.device) -> torch.Tensor:
+    """True where key j > query i, for queries [c0, c1) and keys [0, c1)."""
+    rows = torch.arange(c0, c1, device=device)[:, None]
+    return torch.arange(c1, device=device)[None, :] > rows
+
+
+def torch_fwd(q, k, v, is_causal: bool, scale: float):
+    """Attention in fp32, one chunk of queries at a time; returns (out, lse)."""
+    sq = q.shape[-2]
+    kf, vf = k.float(), v.float()
+    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    lse = torch.empty(q.shape[:-1], dtype=torch.float32, device=q.device)
+    for c0 in range(0, sq, CPU_CHUNK):
+        c1 = min(c0 + CPU_CHUNK, sq)
+        kc, vc = (kf[..., :c1, :], vf[..., :c1, :]) if is_causal else (kf, vf)
+        s = q[..., c0:c1, :].float() @ kc.transpose(-1, -2) * scale
+        if is_causal:
+            s.masked_fill_(_causal_mask(c0, c1, q.device), float("-inf"))
+        lse_c = torch.logsumexp(s, dim=-1)
+        out[..., c0:c1, :] = torch.exp(s - lse_c[..., None]) @ vc
+        lse[..., c0:c1] = lse_c
+    return out, lse
+
+
+def torch_bwd(dout, q, k, v, out, lse, is_causal: bool, scale: float):
+    """Backward of torch_fwd from the saved lse, in fp32 chunks of queries; returns (dq, dk, dv)."""
+    sq = q.shape[-2]
+    kf, vf = k.float(), v.float()
+    delta = (dout.float() * out.float()).sum(-1)
+    dq = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    dk = torch.zeros(k.shape, dtype=torch.float32, device=q.device)
+    dv = torch.zeros(v.shape, dtype=torch.float32, device=q.device)
+    for c0 in range(0, sq, CPU_CHUNK):
+        c1 = min(c0 + CPU_CHUNK, sq)
+        nk = c1 if is_causal else k.shape[-2]
+        kc, vc = kf[..., :nk, :], vf[..., :nk, :]
+        qc, doc = q[..., c0:c1, :].float(), dout[..., c0:c1, :].float()
+        s = qc @ kc.transpose(-1, -2) * scale
+        if is_causal:
+            s.masked_fill_(_causal_mask(c0, c1, q.device), float("-inf"))
+        p = torch.exp(s - lse[..., c0:c1, None])
+        dv[..., :nk, :] += p.transpose(-1, -2) @ doc
+        ds = p * (doc @ vc.transpose(-1, -2) - delta[..., c0:c1, None])
+        dq[..., c0:c1, :] = ds @ kc * scale
+        dk[..., :nk, :] += ds.transpose(-1, -2) @ qc * scale
+    return dq, dk.to(k.dtype), dv.to(v.dtype)
+
+
+# --------------------------------------------------------------------------- checks and ops
+
+
+def check_attention_args(q, k, v, is_causal, scale) -> None:
+    """Validate the arguments shared by both ops; raises ValueError naming the bad one."""
+    check_tensor("q", q, ndim=(3, 4), dtypes=FLOAT_DTYPES)
+    check_tensor("k", k, ndim=q.dim(), dtypes=FLOAT_DTYPES)
+    check_tensor("v", v, ndim=q.dim(), dtypes=FLOAT_DTYPES)
+    check_like("k", k, "q", q)
+    check_like("v", v, "q", q)
+    lead = tuple(q.shape[:-2])
+    require(tuple(k.shape[:-2]) == lead, "k", f"batch/head dims {lead} (those of q)", tuple(k.shape[:-2]))
+    require(tuple(v.shape[:-2]) == lead, "v", f"batch/head dims {lead} (those of q)", tuple(v.shape[:-2]))
+    require(q.shape[-1] in HEAD_DIMS, "q", f"head dim D in {HEAD_DIMS} (at most 256)", q.shape[-1])
+    require(k.shape[-1] == q.shape[-1], "k", f"head dim {q.shape[-1]} (that of q)", k.shape[-1])
+    require(v.shape[-1] == q.shape[-1], "v", f"head dim {q.shape[-1]} (that of q)", v.shape[-1])
+    require(v.shape[-2] == k.shape[-2], "v", f"Sk = {k.shape[-2]} keys (that of k)", v.shape[-2])
+    require(q.shape[-2] >= 1, "q", "at least one query (Sq >= 1)", q.shape[-2])
+    require(k.shape[-2] >= 1, "k", "at least one key (Sk >= 1)", k.shape[-2])
+    require(isinstance(is_causal, bool), "is_causal", "a bool", type(is_causal).__name__)
+    require(not is_causal or q.shape[-2] == k.shape[-2], "is_causal",
+            "Sq == Sk for causal attention", f"Sq={q.shape[-2]}, Sk={k.shape[-2]}")
+    require(isinstance(scale, float) and math.isfinite(scale) and scale > 0, "scale",
+            "a finite positive float", scale)
+
+
+def check_bwd_args(dout, q, k, v, out, lse, is_causal, scale) -> None:
+    check_attention_args(q, k, v, is_causal, scale)
+    for name, t in (("dout", dout), ("out", out)):
+        check_tensor(name, t, ndim=q.dim())
+        check_like(name, t, "q", q)
+        require(t.shape == q.shape, name, f"shape {tuple(q.shape)} (that of q)", tuple(t.shape))
+    check_tensor("lse", lse, dtypes=(torch.float32,))
+    check_like("lse", lse, "q", q, dtype=False)
+    require(lse.shape == q.shape[:-1], "lse", f"shape {tuple(q.shape[:-1])}", tuple(lse.shape))
+
+
+@torch.library.custom_op("cstack::flash_attention_fwd", mutates_args=(), device_types="cpu")
+def flash_attention_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool,
+                        scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    check_attention_args(q, k, v, is_causal, scale)
+    return torch_fwd(q, k, v, is_causal, scale)
+
+
+@flash_attention_fwd.register_kernel("cuda")
+def _fwd_cuda(q, k, v, is_causal, scale):
+    check_attention_args(q, k, v, is_causal, scale)
+    return triton_fwd(q, k, v, is_causal, scale)
+
+
+@flash_attention_fwd.register_fake
+def _fwd_fake(q, k, v, is_causal, scale):
+    check_attention_args(q, k, v, is_causal, scale)
+    return q.new_empty(q.shape), q.new_empty(q.shape[:-1], dtype=torch.float32)
+
+
+@torch.library.custom_op("cstack::flash_attention_bwd", mutates_args=(), device_types="cpu")
+def flash_attention_bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                        out: torch.Tensor, lse: torch.Tensor, is_causal: bool,
+                        scale: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    check_bwd_args(dout, q, k, v, out, lse, is_causal, scale)
+    return torch_bwd(dout, q, k, v, out, lse, is_causal, scale)
+
+
+@flash_attention_bwd.register_kernel("cuda")
+def _bwd_cuda(dout, q, k, v, out, lse, is_causal, scale):
+    check_bwd_args(dout, q, k, v, out, lse, is_causal, scale)
+    return triton_bwd(dout, q, k, v, out, lse, is_causal, scale)
+
+
+@flash_attention_bwd.register_fake
+def _bwd_fake(dout, q, k, v, out, lse, is_causal, scale):
+    check_bwd_args(dout, q, k, v, out, lse, is_causal, scale)
+    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
+
+
+def _setup_context(ctx, inputs, output):
+    q, k, v, is_causal, scale = inputs
+    out, lse = output
+    ctx.save_for_backward(q, k, v, out, lse)
+    ctx.mark_non_differentiable(lse)
+    ctx.is_causal, ctx.scale = is_causal, scale
+
+
+def _backward(ctx, dout, _dlse):
+    q, k, v, out, lse = ctx.saved_tensors
+    dq, dk, dv = torch.ops.cstack.flash_attention_bwd(dout, q, k, v, out, lse, ctx.is_causal, ctx.scale)
+    return dq, dk, dv, None, None
+
+
+flash_attention_fwd.register_autograd(_backward, setup_context=_setup_context)
+
+
+def flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool = True,
+                    scale: float | None = None) -> torch.Tensor:
+    """softmax(scale * q @ k^T, causally masked if is_causal) @ v; scale defaults to 1/sqrt(D)."""
+    check_tensor("q", q, ndim=(3, 4), dtypes=FLOAT_DTYPES)
+    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
+    check_attention_args(q, k, v, is_causal, scale)
+    return torch.ops.cstack.flash_attention_fwd(q, k, v, is_causal, scale)[0]

@@ -1,0 +1,290 @@
+"""cstack::flash_attention_fwd / _bwd against a float64 masked-softmax reference.
+
+CPU tests cover the torch path (through the ops and autograd); interpreter tests call
+the Triton launchers on tiny CPU tensors; GPU tests run the Triton kernels in bf16/fp16.
+"""
+import math
+
+import pytest
+import torch
+from triton.runtime import interpreter
+
+from custom_ops import attention as A
+from tests.helpers import HAS_CUDA, INTERPRETER, rel_err
+
+TOL = {torch.bfloat16: 1e-2, torch.float16: 5e-3, torch.float32: 1e-3}
+gpu = pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")
+
+
+@pytest.fixture
+def scalar_loop_bounds(monkeypatch):
+    """Let the interpreter use per-program scalars as range() bounds under NumPy >= 2.4.
+
+    The interpreter keeps scalars as 1-element arrays and converts them with int(), which
+    NumPy 2.4 refuses for arrays of rank 1; compiled kernels are unaffected.
+    """
+    patch_tensor = interpreter._patch_lang_tensor
+
+    def patched(tensor, scope):
+        patch_tensor(tensor, scope)
+        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.item()))
+
+    monkeypatch.setattr(interpreter, "_patch_lang_tensor", patched)
+
+
+def reference(q, k, v, dout, is_causal, scale):
+    """float64 masked softmax attention; returns out, lse, dq, dk, dv."""
+    q64, k64, v64 = (t.detach().double().requires_grad_() for t in (q, k, v))
+    s = q64 @ k64.transpose(-1, -2) * scale
+    if is_causal:
+        n = s.shape[-1]
+        s = s.masked_fill(~torch.ones(n, n, dtype=torch.bool, device=s.device).tril(), -math.inf)
+    out = torch.softmax(s, dim=-1) @ v64
+    out.backward(dout.double())
+    return out.detach(), torch.logsumexp(s, dim=-1).detach(), q64.grad, k64.grad, v64.grad
+
+
+def make(shape, dtype, device, layout):
+    """A random tensor of `shape`, stored contiguously or in one of three strided layouts.
+
+    transposed: [B, S, H, D] viewed as [B, H, S, D] (what splitting heads gives);
+    padded: a slice of rows twice as long; colmajor: the last dim is not the dense one.
+    """
+    *lead, s, d = shape
+    if layout == "contiguous":
+        t = torch.randn(shape, dtype=dtype, device=device)
+    elif layout == "transposed":
+        b, h = lead
+        t = torch.randn(b, s, h, d, dtype=dtype, device=device).transpose(1, 2)
+    elif layout == "padded":
+        t = torch.randn(*lead, s, 2 * d, dtype=dtype, device=device)[..., d:]
+    else:
+        t = torch.randn(*lead, d, s, dtype=dtype, device=device).transpose(-1, -2)
+    assert t.shape == shape and (layout == "contiguous") == t.is_contiguous()
+    return t
+
+
+def make_qkv(b, h, sq, sk, d, dtype, device="cpu", layout="contiguous", three_d=False):
+    lead = (b * h,) if three_d else (b, h)
+    return [make((*lead, s, d), dtype, device, layout) for s in (sq, sk, sk)]
+
+
+def assert_close(got, ref, dtype, names=("out", "lse", "dq", "dk", "dv")):
+    for name, g, r in zip(names, got, ref):
+        assert g.shape == r.shape, name
+        err = rel_err(g, r)
+        assert err <= TOL[dtype], f"{name}: rel err {err:.2e} > {TOL[dtype]:.0e}"
+
+
+def run_op(q, k, v, dout, is_causal, scale):
+    """Forward through the public function and the op, backward through autograd."""
+    q, k, v = (t.detach().requires_grad_() for t in (q, k, v))
+    out = A.flash_attention(q, k, v, is_causal=is_causal, scale=scale)
+    lse = torch.ops.cstack.flash_attention_fwd(q.detach(), k.detach(), v.detach(), is_causal, scale)[1]
+    out.backward(dout)
+    return out, lse, q.grad, k.grad, v.grad
+
+
+# --------------------------------------------------------------------------- CPU (torch path)
+
+CPU_CASES = [  # b, h, sq, sk, d, causal
+    (2, 3, 1, 1, 16, True),
+    (1, 2, 17, 17, 32, True),
+    (2, 2, 67, 67, 64, False),
+    (1, 2, 67, 45, 128, False),
+    (1, 2, 300, 300, 64, True),  # crosses the 256-query chunk
+    (1, 1, 260, 513, 32, False),
+]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("b,h,sq,sk,d,causal", CPU_CASES)
+def test_cpu_matches_reference(b, h, sq, sk, d, causal, dtype):
+    q, k, v = make_qkv(b, h, sq, sk, d, dtype)
+    dout = torch.randn_like(q)
+    scale = 0.7 / math.sqrt(d)
+    got = run_op(q, k, v, dout, causal, scale)
+    ref = reference(q, k, v, dout, causal, scale)
+    if sq == 1:  # one visible key: dq = dk = 0 exactly, so compare absolutely
+        assert_close(got[:2] + got[4:], ref[:2] + ref[4:], dtype, ("out", "lse", "dv"))
+        assert got[2].abs().max() < 1e-6 and got[3].abs().max() < 1e-6
+    else:
+        assert_close(got, ref, dtype)
+
+
+@pytest.mark.parametrize("layout,three_d", [("transposed", False), ("padded", True), ("colmajor", False), ("contiguous", True)])
+def test_cpu_layouts(layout, three_d):
+    q, k, v = make_qkv(2, 3, 45, 45, 32, torch.float32, layout=layout, three_d=three_d)
+    dout = torch.randn_like(q)
+    got = run_op(q, k, v, dout, True, 1 / math.sqrt(32))
+    assert_close(got, reference(q, k, v, dout, True, 1 / math.sqrt(32)), torch.float32)
+
+
+def test_cpu_sum_backward_and_default_scale():
+    """o.sum() hands the backward an expanded (stride-0) gradient; scale defaults to 1/sqrt(D)."""
+    q, k, v = (t.requires_grad_() for t in make_qkv(1, 2, 33, 33, 16, torch.float32))
+    A.flash_attention(q, k, v).sum().backward()
+    ref = reference(q, k, v, torch.ones_like(q), True, 0.25)
+    assert_close((q.grad, k.grad, v.grad), ref[2:], torch.float32, ("dq", "dk", "dv"))
+
+
+def test_lse_is_not_differentiable():
+    q, k, v = (t.requires_grad_() for t in make_qkv(1, 1, 9, 9, 16, torch.float32))
+    out, lse = torch.ops.cstack.flash_attention_fwd(q, k, v, True, 0.25)
+    assert out.requires_grad and not lse.requires_grad
+
+
+@pytest.mark.parametrize("causal", [True, False])
+def test_opcheck(causal):
+    q, k, v = make_qkv(1, 2, 19, 19, 16, torch.float32)
+    q.requires_grad_()
+    torch.library.opcheck(torch.ops.cstack.flash_attention_fwd.default, (q, k, v, causal, 0.25))
+    out, lse = torch.ops.cstack.flash_attention_fwd(q.detach(), k, v, causal, 0.25)
+    args = (torch.randn_like(out), q.detach(), k, v, out, lse, causal, 0.25)
+    torch.library.opcheck(torch.ops.cstack.flash_attention_bwd.default, args)
+
+
+# --------------------------------------------------------------------------- Triton kernels, interpreter
+
+INTERP_CASES = [  # b, h, sq, sk, d, causal, dtype, layout, three_d
+    (1, 2, 17, 17, 16, True, torch.float32, "contiguous", False),
+    (1, 1, 67, 67, 32, True, torch.float16, "contiguous", False),
+    (2, 1, 33, 50, 16, False, torch.float32, "contiguous", False),
+    (1, 1, 1, 1, 16, True, torch.float32, "contiguous", True),
+    (1, 2, 40, 40, 32, False, torch.float16, "transposed", False),
+    (2, 1, 24, 24, 16, True, torch.float32, "padded", True),
+    (1, 1, 20, 20, 64, True, torch.float32, "colmajor", True),
+    (1, 1, 17, 23, 128, False, torch.float16, "contiguous", False),
+]
+
+
+@pytest.mark.skipif(not INTERPRETER, reason="interpreter run of the kernels (CPU only)")
+@pytest.mark.parametrize("b,h,sq,sk,d,causal,dtype,layout,three_d", INTERP_CASES)
+def test_triton_kernels_interpreted(scalar_loop_bounds, b, h, sq, sk, d, causal, dtype, layout, three_d):
+    q, k, v = make_qkv(b, h, sq, sk, d, dtype, layout=layout, three_d=three_d)
+    dout = make(q.shape, dtype, "cpu", "contiguous")
+    scale = 1 / math.sqrt(d)
+    out, lse = A.triton_fwd(q, k, v, causal, scale)
+    dq, dk, dv = A.triton_bwd(dout, q, k, v, out, lse, causal, scale)
+    ref = reference(q, k, v, dout, causal, scale)
+    if sq == 1:
+        assert_close((out, lse, dv), (ref[0], ref[1], ref[4]), dtype, ("out", "lse", "dv"))
+        assert dq.abs().max() < 1e-6 and dk.abs().max() < 1e-6
+    else:
+        assert_close((out, lse, dq, dk, dv), ref, dtype)
+
+
+# --------------------------------------------------------------------------- bad input
+
+
+def _qkv(**kw):
+    base = dict(q=(1, 2, 8, 16), k=(1, 2, 8, 16), v=(1, 2, 8, 16))
+    base.update(kw)
+    return [torch.randn(s) if isinstance(s, tuple) else s for s in (base["q"], base["k"], base["v"])]
+
+
+BAD_FWD = [  # (q, k, v, is_causal, scale), name in the message
+    ((*_qkv(k=(1, 3, 8, 16)), True, 0.25), "k"),  # heads differ
+    ((*_qkv(k=(2, 2, 8, 16)), True, 0.25), "k"),  # batch differs
+    ((*_qkv(k=(1, 2, 8, 32), v=(1, 2, 8, 32)), True, 0.25), "k"),  # head dim differs
+    ((*_qkv(v=(1, 2, 9, 16)), False, 0.25), "v"),  # Sk of v != Sk of k
+    ((*_qkv(q=(1, 2, 8, 512), k=(1, 2, 8, 512), v=(1, 2, 8, 512)), True, 0.25), "q"),  # D > 256
+    ((*_qkv(q=(1, 2, 8, 48), k=(1, 2, 8, 48), v=(1, 2, 8, 48)), True, 0.25), "q"),  # D not a tile size
+    ((*_qkv(q=(2, 1, 2, 8, 16)), True, 0.25), "q"),  # rank 5
+    ((*_qkv(k=(2, 8, 16)), True, 0.25), "k"),  # rank differs
+    ((*_qkv(q=(1, 2, 6, 16)), True, 0.25), "is_causal"),  # causal with Sq != Sk
+    ((*_qkv(q=(1, 2, 0, 16), k=(1, 2, 0, 16), v=(1, 2, 0, 16)), False, 0.25), "q"),  # empty
+    ((*_qkv(), True, -1.0), "scale"),
+    ((*_qkv(), True, float("nan")), "scale"),
+]
+
+
+@pytest.mark.parametrize("device", ["cpu", "meta"])
+@pytest.mark.parametrize("args,name", BAD_FWD)
+def test_bad_input_fwd(args, name, device):
+    """Real (cpu) and fake (meta) implementations both reject the input before any work."""
+    args = tuple(a.to(device) if isinstance(a, torch.Tensor) else a for a in args)
+    with pytest.raises(ValueError, match=f"^{name}:"):
+        torch.ops.cstack.flash_attention_fwd(*args)
+
+
+@pytest.mark.parametrize("which,bad", [
+    ("q", lambda t: t.to(torch.int32)),
+    ("k", lambda t: t.to(torch.float64)),
+    ("k", lambda t: t.to(torch.bfloat16)),
+    ("v", lambda t: t.to(torch.float16)),
+    ("v", lambda t: t.to("meta")),
+])
+def test_bad_dtype_or_device(which, bad):
+    args = dict(zip("qkv", _qkv()))
+    args[which] = bad(args[which])
+    with pytest.raises(ValueError, match=f"^{which}:"):
+        torch.ops.cstack.flash_attention_fwd(args["q"], args["k"], args["v"], True, 0.25)
+
+
+def test_bad_input_public_function():
+    with pytest.raises(ValueError, match="^q:"):
+        A.flash_attention(torch.randn(8, 16), torch.randn(8, 16), torch.randn(8, 16))
+    with pytest.raises(ValueError, match="^is_causal:"):
+        A.flash_attention(*_qkv(q=(1, 2, 4, 16)), is_causal=True)
+
+
+@pytest.mark.parametrize("device", ["cpu", "meta"])
+@pytest.mark.parametrize("name", ["dout", "out", "lse"])
+def test_bad_input_bwd(name, device):
+    q, k, v = (t.to(device) for t in _qkv())
+    args = dict(dout=torch.randn_like(q), out=torch.randn_like(q), lse=torch.randn(q.shape[:-1], device=device))
+    args[name] = args[name][..., :5] if name == "lse" else args[name].to(torch.float16)
+    with pytest.raises(ValueError, match=f"^{name}:"):
+        torch.ops.cstack.flash_attention_bwd(args["dout"], q, k, v, args["out"], args["lse"], True, 0.25)
+
+
+# --------------------------------------------------------------------------- GPU (Triton kernels compiled)
+
+GPU_CASES = [  # b, h, sq, sk, d, causal, layout
+    (2, 4, 1000, 1000, 64, True, "contiguous"),
+    (1, 4, 1000, 1000, 128, True, "transposed"),
+    (1, 3, 777, 1029, 128, False, "contiguous"),
+    (2, 2, 1, 1, 64, True, "contiguous"),
+    (1, 2, 1031, 1031, 32, True, "transposed"),
+    (1, 2, 513, 513, 256, True, "contiguous"),
+    (1, 2, 300, 300, 16, False, "padded"),
+    (2, 2, 129, 129, 64, True, "colmajor"),
+]
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("b,h,sq,sk,d,causal,layout", GPU_CASES)
+def test_gpu_matches_reference(b, h, sq, sk, d, causal, layout, dtype):
+    q, k, v = make_qkv(b, h, sq, sk, d, dtype, "cuda", layout)
+    dout = torch.randn_like(q)
+    scale = 1 / math.sqrt(d)
+    got = run_op(q, k, v, dout, causal, scale)
+    ref = reference(q, k, v, dout, causal, scale)
+    if sq == 1:
+        assert_close((got[0], got[1], got[4]), (ref[0], ref[1], ref[4]), dtype, ("out", "lse", "dv"))
+    else:
+        assert_close(got, ref, dtype)
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("d", [64, 128])
+def test_gpu_fp32_and_3d(d):
+    q, k, v = make_qkv(2, 2, 203, 203, d, torch.float32, "cuda", three_d=True)
+    dout = torch.randn_like(q)
+    assert_close(run_op(q, k, v, dout, True, 0.1), reference(q, k, v, dout, True, 0.1), torch.float32)
+
+
+@pytest.mark.gpu
+@gpu
+def test_gpu_sum_backward_matches_cpu_path():
+    """Backward of o.sum() (stride-0 gradient) on the 2025 layout, against the CPU op."""
+    q, k, v = (t.requires_grad_() for t in make_qkv(1, 4, 2048, 2048, 64, torch.bfloat16, "cuda", "transposed"))
+    A.flash_attention(q, k, v).sum().backward()
+    qc, kc, vc = (t.detach().cpu().requires_grad_() for t in (q, k, v))
+    A.flash_attention(qc.float(), kc.float(), vc.float()).sum().backward()
+    for name, g, r in (("dq", q.grad, qc.grad), ("dk", k.grad, kc.grad), ("dv", v.grad, vc.grad)):
+        assert rel_err(g, r) <= TOL[torch.bfloat16], name
