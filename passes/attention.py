@@ -1,0 +1,597 @@
+"""Joint pass: rewrite attention as people write it into our FlashAttention op.
+
+Runs on AOTAutograd's joint forward+backward graph (or an inference graph),
+aten level, after Inductor's decompositions. Two families are recognised:
+
+1. Written-out attention: ``bmm(Q, Kᵀ)`` → optional scale (mul/div by a
+   number) and causal mask (``where``/``masked_fill``/added −inf triangle, in
+   any order, with dtype casts anywhere) → softmax over keys (``_softmax`` or
+   max/sub/exp/sum/div, as ``torch.softmax`` decomposes and as people write it
+   by hand) → ``bmm(P, V)``. The match is structural rather than one traced
+   pattern per idiom: idioms × dtypes × which inputs need grads would be
+   hundreds of traced joint patterns (~0.7 s each). The forward is walked
+   node by node against the tables below; the mask is evaluated symbolically
+   as a function of (query i, key j) and must be exactly ``j <= i``. The
+   backward is not matched op by op: autograd of ``bmm(A, B)`` with output
+   grad ``G`` always yields ``bmm(G, Bᵀ)`` and ``bmm(Aᵀ, G)``, so the grads of
+   the three bmm operands (the "exits") and the grad of the output are found
+   from the two bmms alone. Everything between (scores, softmax, its
+   backward: every S×S tensor) must feed nothing but the output bmm and the
+   exits, which is checked before anything changes, and dies with them.
+   The op works on the bmm operands themselves ([B·H, S, D]), so a scale
+   applied to Q (or K) beforehand stays in the graph and the op gets
+   scale 1 for it.
+2. ``F.scaled_dot_product_attention`` (its aten flash/efficient/cuDNN/CPU
+   kernels and their backward ops), without mask or dropout.
+
+Anything else that looks like a softmax over a Q·Kᵀ product is left alone
+with a ``note`` saying why.
+"""
+import dataclasses
+import math
+import operator
+
+import torch
+from torch.fx.operator_schemas import normalize_function
+
+import custom_ops.attention  # noqa: F401  (registers torch.ops.cstack.flash_attention_*)
+from custom_ops.attention import HEAD_DIMS
+from passes.registry import note, register_pass
+
+aten, prims = torch.ops.aten, torch.ops.prims
+NAME = "attention"
+
+# Ops that only reshape or alias a tensor; with `_keeps_order` they keep the flat element order.
+LAYOUT_OPS = {
+    aten.view.default, aten._unsafe_view.default, aten.reshape.default, aten.clone.default,
+    aten.alias.default, aten.detach.default, aten.expand.default, aten.permute.default,
+    aten.unsqueeze.default, aten.squeeze.dim, aten.squeeze.dims, aten.squeeze.default,
+}
+CONVERT_OPS = {prims.convert_element_type.default, aten._to_copy.default}
+# Scaling the scores by a Python number: op -> whether it divides.
+SCALE_OPS = {aten.mul.Tensor: False, aten.mul.Scalar: False, aten.div.Tensor: True, aten.div.Scalar: True}
+# A masked score at or below this is as good as −inf: exp underflows to exactly 0 even after scaling.
+MASK_FILL_MAX = -1e4
+# SDPA's aten kernels -> their backward; arguments are read by name from the schema.
+SDPA_OPS = {
+    aten._scaled_dot_product_flash_attention_for_cpu.default:
+        aten._scaled_dot_product_flash_attention_for_cpu_backward.default,
+    aten._scaled_dot_product_flash_attention.default: aten._scaled_dot_product_flash_attention_backward.default,
+    aten._scaled_dot_product_efficient_attention.default:
+        aten._scaled_dot_product_efficient_attention_backward.default,
+    aten._scaled_dot_product_cudnn_attention.default: aten._scaled_dot_product_cudnn_attention_backward.default,
+}
+
+
+class NoMatch(Exception):
+    """Why a candidate was left alone (becomes a note)."""
+
+
+# --------------------------------------------------------------------------- masks, evaluated symbolically
+# A mask built in the graph is a function of the index along each axis. Integer index tensors are
+# linear forms `Lin`; masks and biases are `Piecewise`: value `a` where `coef·idx + c0 <= 0`, else `b`.
+# Axes are numbered from the end (-1: keys j, -2: queries i) so broadcasting keeps them aligned.
+
+
+@dataclasses.dataclass(frozen=True)
+class Lin:
+    coef: tuple  # sorted ((axis_from_end, coefficient), ...), no zeros
+    c0: int
+
+    def plus(self, other: "Lin", sign: int = 1) -> "Lin":
+        coef = dict(self.coef)
+        for axis, c in other.coef:
+            coef[axis] = coef.get(axis, 0) + sign * c
+        return Lin(tuple(sorted((a, c) for a, c in coef.items() if c)), self.c0 + sign * other.c0)
+
+    def neg(self) -> "Lin":
+        return Lin(tuple((a, -c) for a, c in self.coef), -self.c0)
+
+
+@dataclasses.dataclass(frozen=True)
+class Piecewise:
+    pred: Lin | None  # None: a constant `a` (== b)
+    a: object
+    b: object
+
+
+def _const(v) -> Piecewise:
+    return Piecewise(None, v, v)
+
+
+def _le_zero(lin: Lin):
+    """The predicate `lin <= 0` over integers, normalised (gcd 1), or a bool when it is constant."""
+    if not lin.coef:
+        return lin.c0 <= 0
+    g = math.gcd(*(abs(c) for _, c in lin.coef))
+    return Lin(tuple((a, c // g) for a, c in lin.coef), -((-lin.c0) // g))
+
+
+_COMPARE = {  # op -> (lin of x - y) -> predicate lin <= 0
+    "le": lambda d: d, "lt": lambda d: d.plus(Lin((), 1)),
+    "ge": lambda d: d.neg(), "gt": lambda d: d.neg().plus(Lin((), 1)),
+}
+_PY_COMPARE = {"le": operator.le, "lt": operator.lt, "ge": operator.ge, "gt": operator.gt,
+               "eq": operator.eq, "ne": operator.ne}
+_LOGICAL = {
+    aten.logical_and.default: lambda x, y: bool(x) and bool(y), aten.bitwise_and.Tensor: operator.and_,
+    aten.logical_or.default: lambda x, y: bool(x) or bool(y), aten.bitwise_or.Tensor: operator.or_,
+    aten.mul.Tensor: operator.mul,
+}
+
+
+def _cast(v, dtype):
+    if dtype is None:
+        return v
+    if dtype == torch.bool:
+        return bool(v)
+    return float(v) if dtype.is_floating_point else int(v)
+
+
+def _pointwise(x, y, fn):
+    """Combine two values elementwise; None unless their predicates agree (or one is constant)."""
+    if isinstance(x, Lin) or isinstance(y, Lin) or x is None or y is None:
+        return None
+    if x.pred is not None and y.pred is not None and x.pred != y.pred:
+        return None
+    pred = x.pred if x.pred is not None else y.pred
+    return Piecewise(pred, fn(x.a, y.a), fn(x.b, y.b))
+
+
+def _shape(node):
+    val = node.meta.get("val") if isinstance(node, torch.fx.Node) else None
+    return tuple(val.shape) if isinstance(val, torch.Tensor) else None
+
+
+def _mask_value(node, memo=None):
+    """What a mask/bias/index node computes as a Lin or Piecewise of (i, j); None when unknown."""
+    memo = {} if memo is None else memo
+    if isinstance(node, bool | int | float):
+        return _const(node)
+    if not isinstance(node, torch.fx.Node) or node.op != "call_function":
+        return None
+    if node not in memo:
+        memo[node] = _mask_value_of(node, memo)
+    return memo[node]
+
+
+def _mask_value_of(node, memo):
+    t, args, kw = node.target, node.args, node.kwargs
+
+    def arg(i):
+        return _mask_value(args[i], memo)
+
+    if t is prims.iota.default:
+        return Lin(((-1, kw.get("step", 1)),), kw.get("start", 0))
+    if t in (aten.arange.default, aten.arange.start, aten.arange.start_step):
+        start, step = (0, 1) if t is aten.arange.default else (args[0], args[2] if len(args) > 2 else 1)
+        return Lin(((-1, step),), start) if isinstance(start, int) and isinstance(step, int) else None
+    if t in (aten.full.default, aten.scalar_tensor.default):
+        return _const(_cast(args[-1] if t is aten.full.default else args[0], kw.get("dtype")))
+    if t in (aten.ones.default, aten.zeros.default):
+        return _const(_cast(int(t is aten.ones.default), kw.get("dtype", torch.float32)))
+    if t in (aten.alias.default, aten.clone.default, aten.detach.default, aten.expand.default):
+        return arg(0)
+    if t in (aten.view.default, aten._unsafe_view.default, aten.reshape.default):
+        # Only adding or dropping leading size-1 dims keeps the axes-from-the-end meaning.
+        src, dst = _shape(args[0]), _shape(node)
+        strip = lambda s: s[next((k for k, d in enumerate(s) if d != 1), len(s)):]  # noqa: E731
+        return arg(0) if src is not None and dst is not None and strip(src) == strip(dst) else None
+    if t is aten.slice.Tensor:
+        start, step = (list(args[2:]) + [None, None, None])[0], (list(args[2:]) + [None, None, None])[2]
+        return arg(0) if start in (None, 0) and step in (None, 1) else None
+    if t is aten.unsqueeze.default:
+        src = _shape(args[0])
+        value = arg(0)
+        if src is None or value is None:
+            return None
+        ndim = len(src) + 1
+        pos = args[1] % ndim
+
+        def shift(lin):
+            return Lin(tuple(sorted((a if len(src) + a >= pos else a - 1, c) for a, c in lin.coef)), lin.c0)
+
+        if isinstance(value, Lin):
+            return shift(value)
+        return value if value.pred is None else Piecewise(shift(value.pred), value.a, value.b)
+    if t in CONVERT_OPS:
+        value, dtype = arg(0), (args[1] if t in (prims.convert_element_type.default,) else kw.get("dtype"))
+        if isinstance(value, Piecewise):
+            return Piecewise(value.pred, _cast(value.a, dtype), _cast(value.b, dtype))
+        return value
+    if t in (aten.add.Tensor, aten.sub.Tensor):
+        x, y = arg(0), arg(1)
+        sign = 1 if t is aten.add.Tensor else -1
+        if isinstance(x, Lin) and isinstance(y, Piecewise) and y.pred is None and isinstance(y.a, int):
+            y = Lin((), y.a)
+        if isinstance(x, Lin) and isinstance(y, Lin):
+            return x.plus(y, sign)
+        return _pointwise(x, y, lambda p, q: p + sign * q)
+    name = getattr(t, "_opname", "")
+    if name in _PY_COMPARE and len(args) == 2:
+        x, y = arg(0), arg(1)
+        if name in _COMPARE and isinstance(x, Lin | Piecewise) and isinstance(y, Lin | Piecewise):
+            lx = x if isinstance(x, Lin) else (Lin((), x.a) if x.pred is None and isinstance(x.a, int) else None)
+            ly = y if isinstance(y, Lin) else (Lin((), y.a) if y.pred is None and isinstance(y.a, int) else None)
+            if lx is not None and ly is not None:
+                pred = _le_zero(_COMPARE[name](lx.plus(ly, -1)))
+                return _const(pred) if isinstance(pred, bool) else Piecewise(pred, True, False)
+        return _pointwise(x, y, _PY_COMPARE[name])
+    if t in (aten.logical_not.default, aten.bitwise_not.default):
+        x = arg(0)
+        return Piecewise(x.pred, not x.a, not x.b) if isinstance(x, Piecewise) else None
+    if t in _LOGICAL:
+        return _pointwise(arg(0), arg(1), _LOGICAL[t])
+    if t in (aten.where.self, aten.where.ScalarSelf, aten.where.ScalarOther, aten.where.Scalar):
+        c, x, y = arg(0), arg(1), arg(2)
+        if not all(isinstance(v, Piecewise) for v in (c, x, y)) or x.pred is not None or y.pred is not None:
+            return None
+        return _pointwise(c, c, lambda u, _: x.a if u else y.a)
+    if t in (aten.tril.default, aten.triu.default):
+        x, diag = arg(0), (args[1] if len(args) > 1 else 0)
+        if not isinstance(x, Piecewise) or x.pred is not None:
+            return None
+        j_minus_i = Lin(((-2, -1), (-1, 1)), -diag)  # j - i - diag
+        pred = j_minus_i if t is aten.tril.default else j_minus_i.neg()
+        return Piecewise(_le_zero(pred), x.a, type(x.a)(0))
+    return None
+
+
+_KEEP_CAUSAL = _le_zero(Lin(((-2, -1), (-1, 1)), 0))  # j - i <= 0
+_DROP_CAUSAL = _le_zero(Lin(((-2, 1), (-1, -1)), 1))  # i - j + 1 <= 0, i.e. j > i
+
+
+def _is_causal_keep(value, keep_if_true: bool, node, rows: int, cols: int) -> None:
+    """Raise NoMatch unless `value` (a bool mask, True meaning keep when keep_if_true) keeps exactly j <= i."""
+    if not isinstance(value, Piecewise) or value.pred is None or not isinstance(value.a, bool):
+        raise NoMatch(f"mask {node} is not a structure built in the graph (iota/arange/ones/tril/...)")
+    keep_when_pred = value.a if keep_if_true else not value.a
+    if value.a == value.b or (value.pred, keep_when_pred) not in ((_KEEP_CAUSAL, True), (_DROP_CAUSAL, False)):
+        raise NoMatch(f"mask {node} is not causal (key <= query)")
+    shape = _shape(node) or ()
+    if len(shape) < 2 or shape[-2] != rows or shape[-1] != cols or rows != cols:
+        raise NoMatch(f"mask {node} has shape {shape}, expected a causal [..., {rows}, {cols}]")
+
+
+def _is_fill(value) -> bool:
+    return isinstance(value, Piecewise) and value.pred is None and isinstance(value.a, float | int) \
+        and not isinstance(value.a, bool) and value.a <= MASK_FILL_MAX
+
+
+# --------------------------------------------------------------------------- written-out attention
+
+
+def _keeps_order(node) -> bool:
+    """A layout op that keeps the flat element order: no real broadcast, no reordering permute."""
+    src, dst = _shape(node.args[0]), _shape(node)
+    if src is None or dst is None or math.prod(src) != math.prod(dst):
+        return False
+    if node.target is aten.permute.default:
+        big = [d for d in node.args[1] if src[d] != 1]
+        return big == sorted(big)
+    return True
+
+
+def _match_softmax(node):
+    """If `node` is a softmax over the last dim, return (its input, its internal nodes); else None."""
+    last = lambda n, dims: _shape(n) is not None and [d % len(_shape(n)) for d in dims] == [len(_shape(n)) - 1]  # noqa: E731
+    if node.target is aten._softmax.default:
+        return (node.args[0], [node]) if last(node.args[0], [node.args[1]]) else None
+    if node.target is not aten.div.Tensor or not all(isinstance(a, torch.fx.Node) for a in node.args):
+        return None
+    e, total = node.args
+    if total.target is not aten.sum.dim_IntList or total.args[0] is not e or not last(e, total.args[1]) \
+            or not (len(total.args) > 2 and total.args[2] or total.kwargs.get("keepdim")):
+        return None
+    if e.target is not aten.exp.default or e.args[0].target is not aten.sub.Tensor:
+        return None
+    x, mx = e.args[0].args
+    while isinstance(mx, torch.fx.Node) and mx.target in (aten.alias.default, aten.detach.default):
+        mx = mx.args[0]
+    if not isinstance(mx, torch.fx.Node):
+        return None
+    if mx.target is aten.amax.default:
+        ok = mx.args[0] is x and last(x, mx.args[1]) and (len(mx.args) > 2 and mx.args[2] or mx.kwargs.get("keepdim"))
+    elif mx.target is operator.getitem and mx.args[1] == 0 and mx.args[0].target is aten.max.dim:
+        mmax = mx.args[0]
+        ok = mmax.args[0] is x and last(x, [mmax.args[1]]) and len(mmax.args) > 2 and mmax.args[2]
+    else:
+        ok = False
+    return (x, [node, total, e, e.args[0], mx]) if ok else None
+
+
+def _walk_scores(x, rows: int, cols: int):
+    """From the softmax input back to bmm(Q, Kᵀ): returns (bmm node, scale, is_causal)."""
+    scale, causal, node = 1.0, False, x
+    while True:
+        if not isinstance(node, torch.fx.Node) or node.op != "call_function":
+            raise NoMatch(f"scores come from {node}, not from a Q·Kᵀ bmm")
+        t = node.target
+        if t is aten.bmm.default:
+            if _shape(node)[1:] != (rows, cols):
+                raise NoMatch(f"{node} has shape {_shape(node)}, expected [*, {rows}, {cols}]")
+            return node, scale, causal
+        if t in LAYOUT_OPS:
+            if not _keeps_order(node):
+                raise NoMatch(f"scores are reordered by {node}")
+            node = node.args[0]
+            continue
+        if (_shape(node) or (0, 0))[-2:] != (rows, cols):
+            raise NoMatch(f"{node} has shape {_shape(node)}, expected [..., {rows}, {cols}]")
+        if t in CONVERT_OPS:
+            node = node.args[0]
+        elif t in SCALE_OPS:
+            (s,) = [a for a in node.args if isinstance(a, torch.fx.Node)] or [None]
+            (c,) = [a for a in node.args if isinstance(a, int | float) and not isinstance(a, bool)] or [None]
+            if s is None or c is None or not math.isfinite(c) or c <= 0:
+                raise NoMatch(f"{node} scales the scores by something other than a positive number")
+            scale, node = (scale / c if SCALE_OPS[t] else scale * c), s
+        elif t in (aten.where.self, aten.where.ScalarSelf, aten.where.ScalarOther) and not causal:
+            cond, a, b = node.args
+            if _is_fill(_mask_value(b)):
+                _is_causal_keep(_mask_value(cond), True, cond, rows, cols)
+                node = a
+            elif _is_fill(_mask_value(a)):
+                _is_causal_keep(_mask_value(cond), False, cond, rows, cols)
+                node = b
+            else:
+                raise NoMatch(f"{node} selects between scores and something other than a -inf fill")
+            causal = True
+        elif t is aten.add.Tensor and not causal:
+            scores_first = isinstance(node.args[1], torch.fx.Node) and _mask_value(node.args[1]) is not None
+            s, bias = node.args if scores_first else node.args[::-1]
+            value = _mask_value(bias)
+            if not isinstance(value, Piecewise) or value.pred is None:
+                raise NoMatch(f"{node} adds a bias {bias} that is not built in the graph from indices")
+            if value.a == 0 and _is_fill(_const(value.b)):
+                _is_causal_keep(Piecewise(value.pred, True, False), True, bias, rows, cols)
+            elif value.b == 0 and _is_fill(_const(value.a)):
+                _is_causal_keep(Piecewise(value.pred, False, True), True, bias, rows, cols)
+            else:
+                raise NoMatch(f"{node} adds a bias {bias} that is not 0 / -inf")
+            causal, node = True, s
+        else:
+            raise NoMatch(f"scores pass through {t} ({node})")
+
+
+def _find_pv(p, tangent_deps):
+    """The bmm(P, V) that the softmax output `p` feeds through layout ops and casts."""
+    found, work, others = [], [p], []
+    while work:
+        n = work.pop()
+        for u in n.users:
+            if u.target is aten.bmm.default and u.args[0] is n:
+                found.append(u)
+            elif u.target in CONVERT_OPS or (u.target in LAYOUT_OPS and _keeps_order(u)):
+                work.append(u)
+            elif u not in tangent_deps:
+                others.append(u)
+    if len(found) != 1:
+        why = f" (it feeds {sorted({str(u.target) for u in others})}: dropout?)" if others else ""
+        raise NoMatch(f"softmax output reaches {len(found)} bmm with V{why}")
+    return found[0]
+
+
+def _transpose_bmms(node, side: int):
+    """bmm nodes taking `node`.transpose(1, 2) as argument number `side`."""
+    return [b for t in node.users if t.target is aten.permute.default and list(t.args[1]) == [0, 2, 1]
+            for b in t.users if b.target is aten.bmm.default and b.args[side] is t]
+
+
+def _descendants(start, stop):
+    seen, work = set(), [start]
+    while work:
+        n = work.pop()
+        if n in seen:
+            continue
+        seen.add(n)
+        if n not in stop:
+            work.extend(n.users)
+    return seen
+
+
+def _plan(softmax_node, x, tangent_deps):
+    """Everything needed to rewrite one written-out attention; raises NoMatch."""
+    rows, cols = _shape(x)[-2:]
+    qk, scale, causal = _walk_scores(x, rows, cols)
+    pv = _find_pv(softmax_node, tangent_deps)
+    q, kt, v = qk.args[0], qk.args[1], pv.args[1]
+    bh, d, dv = _shape(q)[0], _shape(q)[2], _shape(v)[2]
+    if _shape(pv.args[0]) != (bh, rows, cols):
+        raise NoMatch(f"weights {pv.args[0]} have shape {_shape(pv.args[0])}, expected {(bh, rows, cols)}")
+    dtypes = {n.meta["val"].dtype for n in (q, kt, v)}
+    if len(dtypes) != 1 or next(iter(dtypes)) not in (torch.float16, torch.bfloat16, torch.float32):
+        raise NoMatch(f"q/k/v dtypes {sorted(map(str, dtypes))} are not one floating dtype")
+    if d != dv or d not in HEAD_DIMS:
+        raise NoMatch(f"head dims q/k {d}, v {dv}: the op needs them equal and in {HEAD_DIMS}")
+    # Backward: the grads of the bmm operands, and the grad of the output.
+    dv_mm, dp_mm = _transpose_bmms(pv.args[0], 0), _transpose_bmms(v, 1)
+    dq_mm, dk_mm = _transpose_bmms(kt, 1), _transpose_bmms(q, 0)
+    if any(len(m) > 1 for m in (dv_mm, dp_mm, dq_mm, dk_mm)):
+        raise NoMatch("an operand of the attention bmms has several transposed uses in the backward")
+    grads = {m[0].args[1] for m in (dv_mm,) if m} | {m[0].args[0] for m in (dp_mm,) if m}
+    if len(grads) > 1:
+        raise NoMatch("the backward of bmm(P, V) does not use one output grad")
+    exits = {"dq": dq_mm[0] if dq_mm else None, "dk": dk_mm[0] if dk_mm else None, "dv": dv_mm[0] if dv_mm else None}
+    region = _descendants(qk, {pv, *filter(None, exits.values())})
+    if any(n.op == "output" or n.is_impure() for n in region):
+        raise NoMatch("the scores or weights are used beyond attention (returned, or backward not recognised)")
+    grad = next(iter(grads), None)
+    if grad is not None and (grad in region or grad not in tangent_deps):
+        raise NoMatch(f"output grad {grad} is not a backward node outside the attention")
+    for key, side in (("dq", 0), ("dk", 1)):
+        if exits[key] is not None and exits[key].args[side] not in region:
+            raise NoMatch(f"{exits[key]} is not the grad of the scores")
+    if any(exits.values()) and grad is None:
+        raise NoMatch("grads of q/k flow but the output grad was not found")
+    return dict(q=q, kt=kt, v=v, pv=pv, grad=grad, causal=causal, scale=scale, **exits)
+
+
+def _call(graph, target, args, **kwargs):
+    """Insert a call and give it the `val` meta later passes need."""
+    node = graph.call_function(target, tuple(args), kwargs)
+    vals = [a.meta["val"] if isinstance(a, torch.fx.Node) else a for a in args]
+    if target is operator.getitem:
+        node.meta["val"] = vals[0][vals[1]]
+    else:
+        with vals[0].fake_mode:
+            node.meta["val"] = target(*vals, **kwargs)
+    return node
+
+
+def _replace(graph, old, new) -> None:
+    """Make `old`'s users use `new`, copied to `old`'s strides if they differ: later views rely on them."""
+    want, have = old.meta["val"], new.meta["val"]
+    significant = [d for d in range(want.dim()) if want.shape[d] != 1]
+    if any(want.stride(d) != have.stride(d) for d in significant):
+        order = sorted(range(want.dim()), key=lambda d: (-want.stride(d), d))
+        with graph.inserting_before(old):
+            moved = _call(graph, aten.permute.default, (new, order))
+            dense = _call(graph, aten.clone.default, (moved,), memory_format=torch.contiguous_format)
+            new = _call(graph, aten.permute.default, (dense, [order.index(d) for d in range(want.dim())]))
+    old.replace_all_uses_with(new)
+
+
+def _erase_dead(graph, roots) -> set:
+    """Erase the nodes among `roots` and their inputs that nothing uses any more; returns them."""
+    work, erased = list(roots), set()
+    while work:
+        n = work.pop()
+        if n in erased or n.op != "call_function" or n.users or n.is_impure():
+            continue
+        inputs = n.all_input_nodes
+        graph.erase_node(n)
+        erased.add(n)
+        work.extend(inputs)
+    return erased
+
+
+def _flash(graph, q, k, v, causal, scale, grad, where_fwd, where_bwd):
+    """Insert our forward (and backward when `grad` is given); returns out, (dq, dk, dv) nodes."""
+    with graph.inserting_before(where_fwd):
+        fwd = _call(graph, torch.ops.cstack.flash_attention_fwd.default, (q, k, v, causal, scale))
+        out, lse = (_call(graph, operator.getitem, (fwd, i)) for i in (0, 1))
+    if grad is None:
+        return out, None
+    with graph.inserting_before(where_bwd):
+        bwd = _call(graph, torch.ops.cstack.flash_attention_bwd.default, (grad, q, k, v, out, lse, causal, scale))
+        return out, tuple(_call(graph, operator.getitem, (bwd, i)) for i in range(3))
+
+
+def _rewrite(graph, plan, order):
+    kt = plan["kt"]
+    with graph.inserting_before(plan["pv"]):
+        k = _call(graph, aten.permute.default, (kt, [0, 2, 1]))
+    exits = [e for e in (plan["dq"], plan["dk"], plan["dv"]) if e is not None]
+    first = min(exits, key=order.__getitem__) if exits else None
+    out, grads = _flash(graph, plan["q"], k, plan["v"], plan["causal"], plan["scale"],
+                        plan["grad"] if exits else None, plan["pv"], first)
+    _replace(graph, plan["pv"], out)
+    if grads is not None:
+        dq, dk, dv = grads
+        if plan["dq"] is not None:
+            _replace(graph, plan["dq"], dq)
+        if plan["dk"] is not None:
+            with graph.inserting_before(plan["dk"]):
+                _replace(graph, plan["dk"], _call(graph, aten.permute.default, (dk, [0, 2, 1])))
+        if plan["dv"] is not None:
+            _replace(graph, plan["dv"], dv)
+    return _erase_dead(graph, [plan["pv"], *exits])
+
+
+# --------------------------------------------------------------------------- SDPA
+
+
+def _sdpa_plan(node):
+    kw = normalize_function(node.target, node.args, node.kwargs, normalize_to_only_use_kwargs=True).kwargs
+    q, k, v = kw["query"], kw["key"], kw["value"]
+    if kw.get("dropout_p", 0.0) != 0.0:
+        raise NoMatch(f"SDPA {node} has dropout {kw['dropout_p']}")
+    if kw.get("attn_mask") is not None or kw.get("attn_bias") is not None:
+        raise NoMatch(f"SDPA {node} has an explicit mask")
+    sq, sk = _shape(q), _shape(k)
+    if len(sq) != 4 or _shape(k)[:2] != sq[:2] or _shape(v)[:2] != sq[:2] or _shape(v)[-1] != sq[-1] \
+            or sq[-1] not in HEAD_DIMS:
+        raise NoMatch(f"SDPA {node} shapes q{sq} k{sk} v{_shape(v)} (grouped heads or head dim) not supported")
+    causal = bool(kw.get("is_causal", False))
+    if causal and sq[-2] != sk[-2]:
+        raise NoMatch(f"SDPA {node} is causal with Sq != Sk")
+    scale = kw.get("scale") or 1.0 / math.sqrt(sq[-1])
+    outs = {u.args[1]: u for u in node.users if u.target is operator.getitem}
+    out = outs.get(0)
+    bwds = [u for u in node.users if u.target is not operator.getitem]
+    bwds += [b for g in outs.values() for b in g.users if b.target is SDPA_OPS[node.target]]
+    bwds = list(dict.fromkeys(bwds))
+    if any(b.target is not SDPA_OPS[node.target] or tuple(b.args[1:4]) != (q, k, v) for b in bwds) or len(bwds) > 1:
+        raise NoMatch(f"SDPA {node} has outputs used by something other than its backward")
+    for i, g in outs.items():
+        if i != 0 and any(u not in bwds for u in g.users):
+            raise NoMatch(f"SDPA {node} output {i} (logsumexp/rng state) is used outside its backward")
+    bwd = bwds[0] if bwds else None
+    grads = {u.args[1]: u for u in bwd.users} if bwd is not None else {}
+    if any(i > 2 and g.users for i, g in grads.items()):
+        raise NoMatch(f"SDPA backward {bwd} has a used bias grad")
+    return dict(q=q, k=k, v=v, causal=causal, scale=float(scale), out=out, bwd=bwd, grads=grads)
+
+
+def _sdpa_rewrite(graph, node, plan):
+    bwd = plan["bwd"]
+    out, grads = _flash(graph, plan["q"], plan["k"], plan["v"], plan["causal"], plan["scale"],
+                        bwd.args[0] if bwd is not None else None, node, bwd)
+    if plan["out"] is not None:
+        _replace(graph, plan["out"], out)
+    for i, g in plan["grads"].items():
+        if i < 3:
+            _replace(graph, g, grads[i])
+    return _erase_dead(graph, [*plan["grads"].values(), plan["out"] or node, node])
+
+
+# --------------------------------------------------------------------------- the pass
+
+
+@register_pass(NAME, stage="joint")
+def replace_attention(graph: torch.fx.Graph) -> int:
+    """Rewrite naive attention and SDPA (fwd and bwd together) into cstack.flash_attention_{fwd,bwd}."""
+    tangents = [n for n in graph.nodes if n.op == "placeholder" and n.name.startswith("tangents")]
+    tangent_deps = set().union(*(_descendants(t, set()) for t in tangents)) if tangents else set()
+    replaced, gone, tried = 0, set(), set()
+    for node in list(graph.nodes):
+        if node in gone or node.op != "call_function" or node in tangent_deps:
+            continue
+        if node.target in SDPA_OPS:
+            try:
+                plan = _sdpa_plan(node)
+            except NoMatch as e:
+                note(NAME, f"left {node} alone: {e}")
+                continue
+            gone |= _sdpa_rewrite(graph, node, plan)
+            replaced += 1
+            continue
+        softmax = _match_softmax(node)
+        # The hand softmax's backward recomputes exp/sum: try each softmax input once.
+        if softmax is None or softmax[0] in tried or len(_shape(softmax[0]) or ()) < 2:
+            continue
+        tried.add(softmax[0])
+        try:
+            plan = _plan(node, softmax[0], tangent_deps)
+        except NoMatch as e:
+            if _looks_like_attention(softmax[0]):
+                note(NAME, f"left softmax {node} over a Q·Kᵀ-like product alone: {e}")
+            continue
+        gone |= _rewrite(graph, plan, {n: i for i, n in enumerate(graph.nodes)})
+        replaced += 1
+    return replaced
+
+
+def _looks_like_attention(x) -> bool:
+    """Whether a bmm feeds the softmax input within a few elementwise/layout steps."""
+    work, seen = [x], set()
+    while work:
+        n = work.pop()
+        if not isinstance(n, torch.fx.Node) or n in seen or n.op != "call_function" or len(seen) > 64:
+            continue
+        seen.add(n)
+        if n.target is aten.bmm.default:
+            return True
+        work.extend(n.all_input_nodes)
+    return False

@@ -1,0 +1,308 @@
+"""The attention pass: idioms rewritten into cstack.flash_attention (fwd + bwd), the rest left alone.
+
+Each case compiles a small model with PassBackend(codegen=False) and checks: our op in the
+partitioned graphs, no S×S tensor left in them, one replacement per layer, and loss and grads equal
+to eager. S=40 is chosen so that no other tensor of these models has trailing dims 40×40.
+"""
+import math
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import passes.attention  # noqa: F401  (registers the pass)
+from compile_stack.capture import PassBackend
+from compile_stack.config import PRESETS
+from compile_stack.reference import build_model, causal_attention, cross_entropy
+from passes.registry import REPORT, register_pass
+from tests.helpers import HAS_CUDA, rel_err
+
+S, HEADS, HEAD_DIM = 40, 2, 16
+GRAPHS: list[torch.fx.Graph] = []
+
+
+@register_pass("attention_test_probe", stage="post_grad")
+def _probe(graph: torch.fx.Graph) -> int:
+    """Records each partitioned graph (forward, backward or inference) after the joint pass."""
+    GRAPHS.append(graph)
+    return 0
+
+
+def _tril(s):
+    return torch.tril(torch.ones(s, s, dtype=torch.bool))
+
+
+# ---- idioms that must be rewritten: q, k, v are [B, H, S, D]
+
+
+def hand_fp32_upcast(q, k, v):
+    s = (q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(q.shape[-1]))
+    s = torch.where(_tril(q.shape[-2]), s, float("-inf")).float()
+    w = torch.exp(s - s.amax(dim=-1, keepdim=True))
+    return (w / w.sum(-1, keepdim=True)).to(q.dtype) @ v
+
+
+def masked_fill_softmax_fp32(q, k, v):
+    s = torch.matmul(q, k.transpose(-2, -1)) * q.shape[-1] ** -0.5
+    s = s.masked_fill(~torch.ones(q.shape[-2], q.shape[-2], dtype=torch.bool).tril(), float("-inf"))
+    return torch.softmax(s.float(), dim=-1).to(q.dtype) @ v
+
+
+def einsum_triu_bias(q, k, v):
+    s = torch.einsum("bhqd,bhkd->bhqk", q, k) / math.sqrt(q.shape[-1])
+    s = s + torch.triu(torch.full((q.shape[-2], q.shape[-2]), float("-inf"), dtype=q.dtype), 1)
+    return torch.einsum("bhqk,bhkd->bhqd", s.softmax(-1), v)
+
+
+def scaled_q_arange_mask(q, k, v):
+    pos = torch.arange(q.shape[-2])
+    s = (q / math.sqrt(q.shape[-1])) @ k.transpose(-2, -1)
+    s = torch.where(pos[None, :] <= pos[:, None], s, torch.finfo(s.dtype).min)
+    return F.softmax(s, dim=-1) @ v
+
+
+def no_mask(q, k, v):
+    return torch.softmax(q @ k.transpose(-2, -1) * 0.3, dim=-1) @ v
+
+
+def flat_heads(q, k, v):
+    """[N, S, D] tensors (heads folded into the batch)."""
+    b, h, s, d = q.shape
+    q, k, v = (t.reshape(b * h, s, d) for t in (q, k, v))
+    out = causal_attention(q, k, v)
+    return out.view(b, h, s, d)
+
+
+def sdpa_causal(q, k, v):
+    return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+
+
+def sdpa_no_mask_scaled(q, k, v):
+    return F.scaled_dot_product_attention(q, k, v, scale=0.2)
+
+
+# ---- idioms that must be left alone
+
+
+def dropout_after_softmax(q, k, v):
+    s = (q @ k.transpose(-2, -1)) / math.sqrt(q.shape[-1])
+    s = torch.where(_tril(q.shape[-2]), s, float("-inf"))
+    return F.dropout(torch.softmax(s, -1), p=0.3, training=True) @ v
+
+
+def triu_mask(q, k, v):
+    s = (q @ k.transpose(-2, -1)) / math.sqrt(q.shape[-1])
+    s = s.masked_fill(~torch.ones(q.shape[-2], q.shape[-2], dtype=torch.bool).triu(), float("-inf"))
+    return torch.softmax(s, -1) @ v
+
+
+def off_by_one_mask(q, k, v):
+    """Keeps key <= query + 1: each query also sees the next key."""
+    pos = torch.arange(q.shape[-2])
+    s = (q @ k.transpose(-2, -1)) / math.sqrt(q.shape[-1])
+    s = torch.where(pos[None, :] <= pos[:, None] + 1, s, float("-inf"))
+    return torch.softmax(s, -1) @ v
+
+
+class Model(nn.Module):
+    """`layers` blocks of: q/k/v projections, `attn`, residual; input [B, S, H*D]."""
+
+    def __init__(self, attn, layers=2, mask_input=False):
+        super().__init__()
+        d = HEADS * HEAD_DIM
+        self.attn, self.mask_input = attn, mask_input
+        self.qkv = nn.ModuleList(nn.Linear(d, 3 * d, bias=False) for _ in range(layers))
+
+    def forward(self, x, mask=None):
+        b, s, d = x.shape
+        for proj in self.qkv:
+            q, k, v = proj(x).view(b, s, 3, HEADS, HEAD_DIM).permute(2, 0, 3, 1, 4)
+            out = self.attn(q, k, v, mask) if self.mask_input else self.attn(q, k, v)
+            x = x + out.transpose(1, 2).reshape(b, s, d)
+        return x
+
+
+def mask_tensor_input(q, k, v, mask):
+    s = (q @ k.transpose(-2, -1)) / math.sqrt(q.shape[-1])
+    return torch.softmax(torch.where(mask, s, float("-inf")), -1) @ v
+
+
+def _run(model, x, *extra, codegen=False, grad=True):
+    """(loss, grads) eager and compiled; the compiled run's graphs land in GRAPHS."""
+    def step(m):
+        with torch.set_grad_enabled(grad):
+            loss = m(x, *extra).float().square().mean()
+        if not grad:
+            return loss, []
+        grads = torch.autograd.grad(loss, [p for p in m.parameters()])
+        return loss.detach(), grads
+
+    eager = step(model)
+    torch._dynamo.reset()
+    REPORT.clear()
+    GRAPHS.clear()
+    backend = PassBackend(passes=["attention", "attention_test_probe"], codegen=codegen)
+    compiled_model = torch.compile(model, backend=backend)
+    with backend.active():
+        compiled = step(compiled_model)
+    return eager, compiled
+
+
+def _ops(graphs):
+    return {n.target for g in graphs for n in g.nodes if n.op == "call_function"}
+
+
+def _square_tensors(graphs, s=S):
+    found = []
+    for g in graphs:
+        for n in g.nodes:
+            val = n.meta.get("val")
+            if isinstance(val, torch.Tensor) and val.dim() >= 2 and tuple(val.shape[-2:]) == (s, s):
+                found.append(f"{n.name}{tuple(val.shape)}")
+    return found
+
+
+def _close(eager, compiled, tol):
+    assert rel_err(compiled[0], eager[0]) <= tol
+    for ge, gc in zip(eager[1], compiled[1], strict=True):
+        assert rel_err(gc, ge) <= tol
+
+
+def _input(dtype, b=2):
+    return torch.randn(b, S, HEADS * HEAD_DIM, dtype=dtype)
+
+
+@pytest.mark.parametrize(
+    "attn, dtype",
+    [
+        (causal_attention, torch.float32),
+        (causal_attention, torch.bfloat16),
+        (hand_fp32_upcast, torch.bfloat16),
+        (masked_fill_softmax_fp32, torch.bfloat16),
+        (masked_fill_softmax_fp32, torch.float32),
+        (einsum_triu_bias, torch.float32),
+        (scaled_q_arange_mask, torch.float32),
+        (no_mask, torch.float32),
+        (flat_heads, torch.float32),
+        (sdpa_causal, torch.float32),
+        (sdpa_causal, torch.bfloat16),
+        (sdpa_no_mask_scaled, torch.float32),
+    ],
+    ids=lambda p: getattr(p, "__name__", str(p).replace("torch.", "")),
+)
+def test_rewritten_training(attn, dtype):
+    model = Model(attn).to(dtype)
+    eager, compiled = _run(model, _input(dtype))
+    assert REPORT.replacements["attention"] == 2
+    assert len(GRAPHS) == 2  # forward and backward
+    fwd_ops, bwd_ops = _ops(GRAPHS[:1]), _ops(GRAPHS[1:])
+    assert torch.ops.cstack.flash_attention_fwd.default in fwd_ops
+    assert torch.ops.cstack.flash_attention_bwd.default in bwd_ops
+    assert torch.ops.aten.bmm.default not in fwd_ops | bwd_ops
+    assert _square_tensors(GRAPHS) == []
+    _close(eager, compiled, 1e-4 if dtype == torch.float32 else 2e-2)
+
+
+@pytest.mark.parametrize("attn", [causal_attention, einsum_triu_bias, sdpa_causal], ids=lambda f: f.__name__)
+def test_rewritten_inference(attn):
+    model = Model(attn)
+    eager, compiled = _run(model, _input(torch.float32), grad=False)
+    assert REPORT.replacements["attention"] == 2
+    assert torch.ops.cstack.flash_attention_fwd.default in _ops(GRAPHS)
+    assert _square_tensors(GRAPHS) == []
+    _close(eager, compiled, 1e-4)
+
+
+def test_only_q_needs_grad():
+    """k and v frozen (computed from a detached input): dq still comes from our backward op."""
+    def attn(q, k, v):
+        return causal_attention(q, k.detach(), v.detach())
+
+    model = Model(attn)
+    eager, compiled = _run(model, _input(torch.float32))
+    assert REPORT.replacements["attention"] == 2
+    assert torch.ops.cstack.flash_attention_bwd.default in _ops(GRAPHS)
+    assert _square_tensors(GRAPHS) == []
+    _close(eager, compiled, 1e-4)
+
+
+@pytest.mark.parametrize("attn, why", [(triu_mask, "not causal"), (off_by_one_mask, "not causal")],
+                         ids=["triu_mask", "off_by_one_mask"])
+def test_left_alone(attn, why):
+    model = Model(attn, layers=1)
+    eager, compiled = _run(model, _input(torch.float32))
+    assert REPORT.replacements["attention"] == 0
+    assert torch.ops.cstack.flash_attention_fwd.default not in _ops(GRAPHS)
+    assert any(n.startswith("attention:") and why in n for n in REPORT.notes), REPORT.notes
+    _close(eager, compiled, 1e-4)
+
+
+def test_mask_tensor_input_left_alone():
+    model = Model(mask_tensor_input, layers=1, mask_input=True)
+    mask = torch.rand(S, S) > 0.3
+    mask.fill_diagonal_(True)
+    eager, compiled = _run(model, _input(torch.float32), mask)
+    assert REPORT.replacements["attention"] == 0
+    assert any("not a structure built in the graph" in n for n in REPORT.notes), REPORT.notes
+    _close(eager, compiled, 1e-4)
+
+
+def test_dropout_left_alone():
+    """Dropout draws differ between eager and compiled runs, so only the outcome is compared."""
+    model = Model(dropout_after_softmax, layers=1)
+    _, compiled = _run(model, _input(torch.float32))
+    assert REPORT.replacements["attention"] == 0
+    assert torch.ops.cstack.flash_attention_fwd.default not in _ops(GRAPHS)
+    assert any("dropout?" in n for n in REPORT.notes), REPORT.notes
+    assert torch.isfinite(compiled[0])
+
+
+def test_reference_model_tiny():
+    cfg = PRESETS["tiny"].with_overrides(seq=48)  # seq != d_model: no weight looks like scores
+    model = build_model(cfg, "cpu", torch.bfloat16)
+    ids = torch.randint(0, cfg.vocab, (cfg.batch, cfg.seq))
+    targets = torch.randint(0, cfg.vocab, (cfg.batch, cfg.seq))
+
+    class WithLoss(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.model = model
+
+        def forward(self, ids, targets):
+            return cross_entropy(self.model(ids), targets)
+
+    eager, compiled = _run(WithLoss(), ids, targets)
+    assert REPORT.replacements["attention"] == cfg.layers
+    assert torch.ops.cstack.flash_attention_bwd.default in _ops(GRAPHS)
+    assert _square_tensors(GRAPHS, cfg.seq) == []
+    # bf16 softmax by hand in eager vs fp32 inside the op.
+    _close(eager, compiled, 3e-2)
+
+
+def test_real_inductor_smallest():
+    model = Model(causal_attention, layers=1)
+    eager, compiled = _run(model, _input(torch.float32, b=1), codegen=True)
+    assert REPORT.replacements["attention"] == 1
+    _close(eager, compiled, 1e-4)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_CUDA, reason="needs CUDA")
+def test_gpu_reference_attention_bf16():
+    """Realistic shape through real Inductor on the GPU: our Triton kernels, fwd + bwd."""
+    q, k, v = (torch.randn(2, 8, 1024, 128, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+               for _ in range(3))
+    torch._dynamo.reset()
+    REPORT.clear()
+    backend = PassBackend(passes=["attention"])
+    with backend.active():
+        out = torch.compile(causal_attention, backend=backend)(q, k, v)
+        grads = torch.autograd.grad(out.float().square().sum(), (q, k, v))
+    assert REPORT.replacements["attention"] == 1
+    ref = [t.detach().double().requires_grad_() for t in (q, k, v)]
+    expected = F.scaled_dot_product_attention(*ref, is_causal=True)
+    expected_grads = torch.autograd.grad(expected.square().sum(), ref)
+    assert rel_err(out, expected) <= 1e-2
+    for g, e in zip(grads, expected_grads, strict=True):
+        assert rel_err(g, e) <= 2e-2
