@@ -78,7 +78,8 @@ class PassBackend:
         return compiled
 
     def _compile_without_codegen(self, gm, example_inputs):
-        stage = {s: registry.StagePass(s, [p for p in self.pass_list if p.stage == s]) for s in registry.STAGES}
+        observer = self.writer.observer() if self.writer else None
+        stage = {s: registry.StagePass(s, [p for p in self.pass_list if p.stage == s], observer) for s in registry.STAGES}
         stage["pre_grad"](gm.graph)
         gm.recompile()
 

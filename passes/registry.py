@@ -32,7 +32,7 @@ _HOOKS = {
     "post_grad": "post_grad_custom_post_pass",
 }
 # Modules whose import registers the project's passes (one per pattern family).
-PASS_MODULES = ("passes.param_data", "passes.attention", "passes.cross_entropy")
+PASS_MODULES = ("passes.param_data", "passes.attention", "passes.cross_entropy", "passes.adamw")
 
 GraphPassFn = Callable[[torch.fx.Graph], int]
 

@@ -1,0 +1,510 @@
+"""Joint pass: the compiled AdamW update becomes one ``cstack::fused_adamw_`` call.
+
+A compiled ``optimizer.step`` reaches the joint stage as a functionalized
+inference graph: per parameter a chain of elementwise aten ops (plain, or
+``_foreach_*`` ops over lists) computes new values of the parameter ``p`` and
+its moments ``m`` and ``v`` from them and the gradient ``g``, and an epilogue
+``copy_`` writes them back into those graph inputs. This pass replaces every
+such chain, with the epilogue, by one call of our fused op over lists, which
+updates the inputs in place. It knows no particular optimizer's code; it
+finds and proves the update:
+
+1. Roles, from data flow alone: ``m`` and ``v`` are mutated inputs whose new
+   value reads only themselves and one unmutated input ``g``; ``p`` is a
+   mutated input whose new value reads exactly ``p``, ``m``, ``v`` and that
+   same ``g``; all four of one shape. Foreach ops are followed element by
+   element. A chain may also read one scalar input (the step: a SymInt, or
+   torch.optim's 0-d step tensor) and constants, through whitelisted
+   elementwise ops only.
+2. Semantics, by identity testing: the chain is evaluated in float64 on
+   probe values (special points that read off β₁, β₂, the decay 1 − lr·wd,
+   the update's scale A and its eps term E; then random and tiny values) at
+   several step values, and must equal the AdamW update with the extracted
+   coefficients to 1e-9 — in the reference form (eps outside the bias
+   correction) or torch.optim's (eps scaled by √(1 − β₂ᵗ)). The step t is the
+   exponent of the graph's β₁ᵗ/β₂ᵗ powers and becomes the op's ``step``
+   tensor; lr is constant across steps or the chain is left alone. A chain
+   with no step input (the reference optimizer's first compile, t baked in)
+   is rewritten with step 1 and the lr/weight decay that give the same
+   update. Anything else is left alone with a ``note``.
+
+Chains with equal coefficients form one call (torch.optim param groups with
+different lr/wd give one call each); the pass returns the number of fused
+calls inserted, normally 1 per optimizer graph. torch.optim keeps one step
+tensor per parameter; the call takes the first and, where a group has
+several, an in-graph ``_assert_async`` checks at run time that they are equal
+(they differ only for a parameter that missed updates: then the step fails
+loudly rather than update it with the wrong bias correction).
+"""
+import functools
+import math
+import operator
+
+import torch
+from torch.fx import Graph, Node
+from torch._subclasses.fake_tensor import unset_fake_temporarily
+from torch.fx.node import map_arg
+
+import custom_ops.adamw  # noqa: F401  (registers torch.ops.cstack.fused_adamw_)
+from passes.registry import note, register_pass
+
+aten = torch.ops.aten
+NAME = "adamw"
+
+# Elementwise aten/prims ops a chain may use, by name; their foreach forms
+# (``_foreach_`` prefix) too.
+_ELEMENTWISE = {"add", "sub", "rsub", "mul", "div", "true_divide", "sqrt", "rsqrt", "neg", "reciprocal", "pow",
+                "addcdiv", "addcmul", "lerp", "copy", "clone", "convert_element_type", "_to_copy",
+                "scalar_tensor", "full", "fma"}
+# Python-level scalar arithmetic on SymInts/SymFloats.
+_SCALAR_FUNCTIONS = {operator.add, operator.sub, operator.mul, operator.truediv, operator.pow, operator.neg,
+                     math.sqrt, torch.sym_float, torch._sym_sqrt}
+
+# Step values the chains are evaluated at (the scalar input's value; t is a function of it).
+_STEP_PROBES = (0, 1, 6, 999)
+# Agreement required between a chain and the AdamW update in float64.
+_RTOL = 1e-9
+
+
+def _op_name(target) -> str | None:
+    """``add`` for aten.add.Tensor, ``_foreach_add`` for aten._foreach_add.Scalar; None if not aten/prims."""
+    if isinstance(target, torch._ops.OpOverload) and target.namespace in ("aten", "prims"):
+        return target.overloadpacket.__name__
+    return None
+
+
+def _is_foreach(node: Node) -> bool:
+    name = _op_name(node.target) if node.op == "call_function" else None
+    return name is not None and name.startswith("_foreach_")
+
+
+def _allowed(node: Node) -> bool:
+    if node.op != "call_function":
+        return False
+    if node.target is operator.getitem:
+        return isinstance(node.args[0], Node) and _is_foreach(node.args[0])
+    if node.target in _SCALAR_FUNCTIONS:
+        return True
+    name = _op_name(node.target)
+    return name is not None and name.removeprefix("_foreach_") in _ELEMENTWISE
+
+
+def _val(node: Node, index: int | None = None):
+    val = node.meta.get("val")
+    return val[index] if index is not None and isinstance(val, (list, tuple)) else val
+
+
+def _is_data(node: Node) -> bool:
+    """A tensor input of rank >= 1 (parameter, gradient, moment); rank-0 inputs and numbers are scalars."""
+    val = _val(node)
+    return node.op == "placeholder" and isinstance(val, torch.Tensor) and val.dim() >= 1
+
+
+class _Flow:
+    """Data flow per value: a value is (node, None), or (foreach node, i) for element i of its result."""
+
+    def __init__(self):
+        self.memo: dict[tuple[Node, int | None], tuple[frozenset, frozenset, frozenset]] = {}
+
+    def inputs(self, node: Node, index: int | None) -> list[tuple[Node, int | None]]:
+        if node.target is operator.getitem and isinstance(node.args[0], Node) and _is_foreach(node.args[0]):
+            return [(node.args[0], node.args[1])]
+        refs = []
+        for arg in (*node.args, *node.kwargs.values()):
+            if index is not None and isinstance(arg, (list, tuple)):
+                arg = arg[index]
+            map_arg(arg, lambda n: refs.append((n, None)))
+        return refs
+
+    def reach(self, node: Node, index: int | None = None):
+        """(data inputs, scalar inputs, values passed through) of a value, following foreach elements."""
+        key = (node, index)
+        if key not in self.memo:
+            if node.op == "placeholder":
+                data, scalars = (frozenset([node]), frozenset()) if _is_data(node) else (frozenset(), frozenset([node]))
+                self.memo[key] = (data, scalars, frozenset())
+            else:
+                data, scalars, values = set(), set(), {key}
+                for ref in self.inputs(node, index):
+                    d, s, v = self.reach(*ref)
+                    data |= d
+                    scalars |= s
+                    values |= v
+                self.memo[key] = (frozenset(data), frozenset(scalars), frozenset(values))
+        return self.memo[key]
+
+
+class _Chain:
+    """One parameter's update: its inputs, values, epilogue copies and (once proven) coefficients."""
+
+    def __init__(self, p, g, m, v, new, copies, flow: _Flow):
+        self.p, self.g, self.m, self.v = p, g, m, v
+        self.new = new  # input -> node holding its new value
+        self.copies = copies  # input -> its epilogue copy_
+        self.values = set()
+        self.scalars = set()
+        for x in (p, m, v):
+            _, scalars, values = flow.reach(new[x])
+            self.values |= values
+            self.scalars |= scalars
+        self.nodes = {node for node, _ in self.values}
+        self.step: Node | None = None  # node holding t, None when t is baked in
+        self.coefficients: tuple | None = None
+
+    def __repr__(self):
+        return f"update of {self.p.name}"
+
+
+def _find_chains(graph: Graph, flow: _Flow) -> list[_Chain]:
+    """Chains with AdamW's roles: p' reads {p, m, v, g}; m' reads {m, g}; v' reads {v, g}; one shape."""
+    copies, new = {}, {}
+    for node in graph.nodes:
+        if node.target is aten.copy_.default and node.args[0].op == "placeholder":
+            dst = node.args[0]
+            if dst in copies:
+                note(NAME, f"left {dst.name} alone: written back twice")
+                copies[dst] = None
+                continue
+            copies[dst], new[dst] = node, node.args[1]
+    mutated = {x for x, c in copies.items() if c is not None and _is_data(x) and isinstance(new[x], Node)}
+    reads = {x: flow.reach(new[x]) for x in mutated}
+    chains, taken = [], set()
+    for p in [n for n in graph.nodes if n in mutated]:
+        data, scalars, _ = reads[p]
+        if p not in data or len(data) < 3:
+            continue
+        others = data - {p}
+        moments = [x for x in others if x in mutated and len(reads[x][0]) == 2 and x in reads[x][0]]
+        grads = {next(iter(reads[x][0] - {x})) for x in moments}
+        g = next(iter(grads)) if len(grads) == 1 else None
+        if len(others) != 3 or len(moments) != 2 or g is None or g in mutated or g not in others:
+            note(NAME, f"left {p.name} alone: its update reads {sorted(n.name for n in data)}, "
+                       "not the AdamW inputs (param, grad, exp_avg, exp_avg_sq)")
+            continue
+        m, v = moments  # which is which: _prove tells them apart
+        if len(scalars) > 1 or taken & {p, g, m, v}:
+            note(NAME, f"left {p.name} alone: reads several scalar inputs or shares inputs with another update")
+            continue
+        shapes = {tuple(_val(x).shape) for x in (p, g, m, v)}
+        if len(shapes) != 1:
+            note(NAME, f"left {p.name} alone: param, grad and moments differ in shape")
+            continue
+        taken |= {p, g, m, v}
+        chains.append(_Chain(p, g, m, v, new, copies, flow))
+    return chains
+
+
+def _elementwise(chain: _Chain, flow: _Flow) -> bool:
+    """Every value of the chain is a whitelisted elementwise op; data-dependent ones have the param's shape."""
+    shape = tuple(_val(chain.p).shape)
+    for node, index in chain.values:
+        if not _allowed(node):
+            note(NAME, f"left {chain} alone: {node.name} ({node.target}) is not an elementwise update op")
+            return False
+        val = _val(node, index)
+        if flow.reach(node, index)[0] and not (isinstance(val, torch.Tensor) and tuple(val.shape) == shape):
+            note(NAME, f"left {chain} alone: {node.name} is not shaped like the parameter")
+            return False
+    return True
+
+
+def _probe_call(target, args, kwargs, probes: int):
+    """Run ``target`` on float64 probe values: float casts keep float64, constants fill the probe shape."""
+    name = _op_name(target)
+    if name in ("convert_element_type", "_to_copy", "scalar_tensor", "full"):
+        kwargs = {k: v for k, v in kwargs.items() if k not in ("device", "pin_memory", "layout", "memory_format")}
+        dtype = args[1] if name == "convert_element_type" else kwargs.pop("dtype", None)
+        dtype = torch.float64 if dtype is None or dtype.is_floating_point else dtype
+        if name in ("convert_element_type", "_to_copy"):
+            return args[0].to(dtype)
+        if name == "full":
+            size, value = args
+            return torch.full([probes] if len(size) else [], value, dtype=dtype)
+        return torch.scalar_tensor(args[0], dtype=dtype)
+    return target(*args, **kwargs)
+
+
+def _ancestors(nodes) -> set[Node]:
+    """``nodes`` and every node they read, whole foreach lists included."""
+    seen, stack = set(), list(nodes)
+    while stack:
+        node = stack.pop()
+        if node not in seen:
+            seen.add(node)
+            map_arg((node.args, node.kwargs), stack.append)
+    return seen
+
+
+def _as_float(x) -> float:
+    return float(x.item()) if isinstance(x, torch.Tensor) else float(x)
+
+
+@functools.cache
+def _expected(beta1, beta2, lr, weight_decay, eps, torch_semantics, t):
+    """(p', m', v') the fused op makes from the probes, in float64."""
+    p, g, m, v = (_probes()[r] for r in "pgmv")
+    m = beta1 * m + (1 - beta1) * g
+    v = beta2 * v + (1 - beta2) * g * g
+    bc1, bc2 = 1 - beta1**t, 1 - beta2**t
+    p = p - lr * weight_decay * p
+    if torch_semantics:
+        p = p - lr / bc1 * m / (v.sqrt() / math.sqrt(bc2) + eps)
+    else:
+        p = p - lr * math.sqrt(bc2) / bc1 * m / (v.sqrt() + eps)
+    return p, m, v
+
+
+@functools.cache
+def _probes() -> dict[str, torch.Tensor]:
+    """Float64 values per role (p, g, m, v), one probe a column.
+
+    Columns 0–3 read off the coefficients (see ``_read_off``), 4–11 are random
+    and 12–15 tiny, where √v' is near eps and its placement shows.
+    """
+    gen = torch.Generator().manual_seed(0)
+    special = torch.tensor([[1.0, 0, 0, 0], [0, 0, 1, 0], [0, 0, 1, 1], [0, 1, 0, 0]], dtype=torch.float64)
+    rand = torch.randn(8, 4, generator=gen, dtype=torch.float64)
+    rand[:, 3] = torch.rand(8, generator=gen, dtype=torch.float64)
+    tiny = torch.randn(4, 4, generator=gen, dtype=torch.float64) * 1e-9
+    tiny[:, 3] = torch.rand(4, generator=gen, dtype=torch.float64) * 1e-18
+    return dict(zip("pgmv", torch.cat([special, rand, tiny]).T))
+
+
+def _read_off(p_new, m_new, v_new):
+    """(decay, β₁, β₂, A, E) for p' = decay·p − A·m'/(√v' + E), from probe columns 0–3; None if degenerate."""
+    decay, beta1, beta2 = _as_float(p_new[0]), _as_float(m_new[1]), _as_float(v_new[2])
+    u_a, u_b = -_as_float(p_new[1]), -_as_float(p_new[2])  # m' = β₁ in both; v' = 0, then v' = β₂
+    if not (0 < beta1 < 1 and 0 < beta2 < 1 and u_b != 0 and u_a != u_b):
+        return None
+    big_e = u_b * math.sqrt(beta2) / (u_a - u_b)
+    return decay, beta1, beta2, u_b * (math.sqrt(beta2) + big_e) / beta1, big_e
+
+
+def _close(values) -> bool:
+    return all(math.isclose(x, values[0], rel_tol=_RTOL, abs_tol=0.0) for x in values)
+
+
+def _tidy(x: float) -> float:
+    """Drop the float noise the extraction arithmetic leaves (0.0010000000000000002 → 0.001)."""
+    return float(f"{x:.15g}")
+
+
+def _exponent(chain: _Chain, env, flow: _Flow, order, betas) -> Node | None:
+    """The node holding t: the exponent of the chain's β₁ᵗ / β₂ᵗ (None if the chain has no such power)."""
+    for node, index in sorted(chain.values, key=lambda ref: (order[ref[0]], ref[1] or 0)):
+        if node.target is not operator.pow and _op_name(node.target) not in ("pow", "_foreach_pow"):
+            continue
+        base, exponent = node.args[0], node.args[1]
+        if index is not None and isinstance(exponent, (list, tuple)):
+            exponent = exponent[index]
+        if not isinstance(exponent, Node) or not flow.reach(exponent)[1]:
+            continue
+        base = _as_float(env[base]) if isinstance(base, Node) else base
+        if isinstance(base, (int, float)) and any(math.isclose(base, b, rel_tol=1e-12) for b in betas):
+            return exponent
+    return None
+
+
+def _coefficients(readings):
+    """(β₁, β₂, lr, weight_decay, eps, torch_semantics) if every reading is the AdamW update, else None."""
+    decay, beta1, beta2, _, _ = readings[0][0]
+    if not all(_close([r[0][i] for r in readings]) for i in range(3)):
+        return None
+    ts = [r[1] for r in readings]
+    bc1 = [1 - beta1**t for t in ts]
+    bc2 = [1 - beta2**t for t in ts]
+    lrs = [r[0][3] * b1 / math.sqrt(b2) for r, b1, b2 in zip(readings, bc1, bc2)]
+    es = [r[0][4] for r in readings]
+    if not _close(lrs):
+        return None
+    if _close(es):
+        torch_semantics, eps = False, es[0]
+    elif _close([e / math.sqrt(b2) for e, b2 in zip(es, bc2)]):
+        torch_semantics, eps = True, es[0] / math.sqrt(bc2[0])
+    else:
+        return None
+    lr = lrs[0]
+    if not (math.isfinite(lr) and lr > 0 and math.isfinite(eps) and eps >= 0):
+        return None
+    coefficients = tuple(map(_tidy, (beta1, beta2, lr, (1 - decay) / lr, eps))) + (torch_semantics,)
+    if coefficients[3] < 0:
+        return None
+    beta1, beta2, lr, weight_decay, eps, _ = coefficients
+    for (_, t, outputs) in readings:
+        expected = _expected(*coefficients, t)
+        if not all(torch.allclose(got, exp, rtol=_RTOL, atol=0.0) for got, exp in zip(outputs, expected)):
+            return None
+    return coefficients
+
+
+def _prove(chains: list[_Chain], graph: Graph, flow: _Flow, order) -> list[_Chain]:
+    """Evaluate the chains on float64 probes; keep those equal to AdamW, with coefficients and step set."""
+    needed = _ancestors(n for c in chains for n in c.nodes)
+    roles = {getattr(c, r): r for c in chains for r in "pgmv"}
+
+    def run(step, values):
+        inputs = {}
+        for node in needed:
+            if node.op != "placeholder":
+                continue
+            if _is_data(node):
+                inputs[node] = values[roles[node]] if node in roles else torch.ones_like(values["p"])
+            elif isinstance(_val(node), torch.Tensor):
+                inputs[node] = torch.tensor(float(step), dtype=torch.float64)
+            else:
+                inputs[node] = step
+        env = dict(inputs)
+        for node in graph.nodes:
+            if node in needed and node not in env:
+                if node.op != "call_function":
+                    raise ValueError(f"{node.name} is a {node.op} node")
+                args, kwargs = map_arg((node.args, node.kwargs), env.__getitem__)
+                env[node] = _probe_call(node.target, args, kwargs, len(values["p"]))
+        return env
+
+    try:
+        # m' is linear in g, v' quadratic: with g = 1, then 2, m' doubles and v' quadruples.
+        zeros = torch.zeros(2, dtype=torch.float64)
+        env = run(1, {"p": zeros, "g": torch.tensor([1.0, 2.0], dtype=torch.float64), "m": zeros, "v": zeros})
+        for chain in chains:
+            a = env[chain.new[chain.m]]
+            if math.isclose(_as_float(a[1] / a[0]), 4.0, rel_tol=1e-9):
+                chain.m, chain.v = chain.v, chain.m
+                roles[chain.m], roles[chain.v] = "m", "v"
+        probes = _probes()
+        scalar_inputs = any(c.scalars for c in chains)
+        envs = [run(s, probes) for s in (_STEP_PROBES if scalar_inputs else (1,))]
+    except Exception as e:  # an op the float64 probes cannot run: nothing is proven
+        note(NAME, f"left the optimizer update alone: evaluating it on probes failed ({type(e).__name__}: {e})")
+        return []
+
+    proven = []
+    for chain in chains:
+        outputs = [tuple(env[chain.new[x]] for x in (chain.p, chain.m, chain.v)) for env in envs]
+        first = _read_off(*outputs[0])
+        if first is None:
+            note(NAME, f"left {chain} alone: not of the form p' = decay·p − A·m'/(√v' + E) with 0 < β < 1")
+            continue
+        if chain.scalars:
+            chain.step = _exponent(chain, envs[0], flow, order, first[1:3])
+            if chain.step is None:
+                note(NAME, f"left {chain} alone: it reads a step but raises no beta to its power")
+                continue
+            ts = [_as_float(env[chain.step]) for env in envs]
+        else:
+            ts = [1.0] * len(envs)  # t baked in: step 1 with the lr and weight decay that give the same update
+        readings = []
+        for env, out, t in zip(envs, outputs, ts):
+            read = _read_off(*out)
+            if read is None:
+                break
+            readings.append((read, t, out))
+        chain.coefficients = _coefficients(readings) if len(readings) == len(envs) else None
+        if chain.coefficients is None:
+            note(NAME, f"left {chain} alone: its update is not AdamW's (reference or torch.optim form)")
+            continue
+        proven.append(chain)
+    return proven
+
+
+def _isolated(chain: _Chain, flow: _Flow, order, insert_at: Node) -> bool:
+    """The chain's tensor values feed only itself and its epilogue; nothing after the call reads p, m or v."""
+    inside = chain.nodes | {chain.copies[x] for x in (chain.p, chain.m, chain.v)}
+    for node, index in chain.values:
+        if order[node] >= order[insert_at]:
+            note(NAME, f"left {chain} alone: its update is computed after the epilogue starts")
+            return False
+        if index is None and not _is_foreach(node) and flow.reach(node)[0] and not set(node.users) <= inside:
+            note(NAME, f"left {chain} alone: {node.name} is also used outside the update")
+            return False
+    for x in (chain.p, chain.m, chain.v):
+        late = [u for u in x.users if u not in inside and order[u] >= order[insert_at]]
+        if late:
+            note(NAME, f"left {chain} alone: {late[0].name} reads {x.name} after the update")
+            return False
+    return True
+
+
+def _add(graph: Graph, fake_mode, target, args, kwargs=None) -> Node:
+    """A call node, with its fake value in meta['val'] as the rest of the graph has."""
+    node = graph.call_function(target, tuple(args), kwargs or {})
+    if fake_mode is not None:
+        fake_args, fake_kwargs = map_arg((node.args, node.kwargs), lambda n: n.meta["val"])
+        with fake_mode:
+            node.meta["val"] = target(*fake_args, **fake_kwargs)
+    return node
+
+
+def _step_f32(graph: Graph, fake_mode, step: Node, device) -> Node:
+    """t as a 0-d float32 tensor: a tensor is cast, a SymInt/SymFloat becomes a tensor on ``device``."""
+    val = _val(step)
+    if isinstance(val, torch.Tensor):
+        if val.dtype == torch.float32:
+            return step
+        return _add(graph, fake_mode, torch.ops.prims.convert_element_type.default, (step, torch.float32))
+    return _add(graph, fake_mode, aten.scalar_tensor.default, (step,), {"dtype": torch.float32, "device": device})
+
+
+def _fuse(graph: Graph, group: list[_Chain], fake_mode) -> Node:
+    """Insert one fused call for ``group`` (at the graph's insertion point); returns the call node."""
+    beta1, beta2, lr, weight_decay, eps, torch_semantics = group[0].coefficients
+    device = _val(group[0].p).device
+    lr_node = _add(graph, fake_mode, aten.scalar_tensor.default, (lr,), {"dtype": torch.float32, "device": device})
+    steps = list(dict.fromkeys(c.step for c in group))
+    if steps == [None]:
+        step = _add(graph, fake_mode, aten.scalar_tensor.default, (1.0,), {"dtype": torch.float32, "device": device})
+    else:
+        step_values = [_step_f32(graph, fake_mode, s, device) for s in steps]
+        step = step_values[0]
+        if len(steps) > 1:
+            stacked = _add(graph, fake_mode, aten.stack.default, (step_values,))
+            same = _add(graph, fake_mode, aten.all.default, (_add(graph, fake_mode, aten.eq.Tensor, (stacked, step)),))
+            _add(graph, fake_mode, aten._assert_async.msg,
+                 (same, "fused AdamW: parameters of one group are at different steps (one missed updates)"))
+    lists = [[getattr(c, r) for c in group] for r in "pgmv"]
+    call = _add(graph, fake_mode, torch.ops.cstack.fused_adamw_.default,
+                (*lists, lr_node, step, beta1, beta2, eps, weight_decay, torch_semantics))
+    call.meta["val"] = None
+    return call
+
+
+@register_pass(NAME, stage="joint")
+def fuse_adamw(graph: Graph) -> int:
+    """Replace AdamW per-parameter update chains (reference, torch.optim single/foreach) by fused calls."""
+    flow = _Flow()
+    chains = [c for c in _find_chains(graph, flow) if _elementwise(c, flow)]
+    if not chains:
+        return 0
+    order = {node: i for i, node in enumerate(graph.nodes)}
+    with unset_fake_temporarily():  # the probes are real float64 tensors, even inside a compile
+        chains = _prove(chains, graph, flow, order)
+    if not chains:
+        return 0
+    insert_at = min((c.copies[x] for c in chains for x in (c.p, c.m, c.v)), key=order.__getitem__)
+    chains = [c for c in chains if _isolated(c, flow, order, insert_at)]
+    groups: dict[tuple, list[_Chain]] = {}
+    for chain in chains:
+        groups.setdefault((chain.coefficients, chain.step is None), []).append(chain)
+
+    placeholders = [n.meta.get("val") for n in graph.nodes if n.op == "placeholder"]
+    fake_mode = torch._guards.detect_fake_mode(placeholders)
+    fused = []
+    for group in groups.values():
+        before = set(graph.nodes)
+        try:
+            with graph.inserting_before(insert_at):
+                _fuse(graph, group, fake_mode)
+        except ValueError as e:  # the op's checks, run on the fake values, refused the arguments
+            for node in reversed([n for n in graph.nodes if n not in before]):
+                graph.erase_node(node)
+            note(NAME, f"left {len(group)} AdamW updates alone: the fused op refuses them ({e})")
+            continue
+        fused.append(group)
+    for chain in (c for group in fused for c in group):
+        for x in (chain.p, chain.m, chain.v):
+            graph.erase_node(chain.copies[x])
+    dead = set().union(*(c.nodes for group in fused for c in group))
+    for node in sorted(dead, key=order.__getitem__, reverse=True):
+        if not node.users and not node.is_impure():
+            graph.erase_node(node)
+    return len(fused)

@@ -1,0 +1,228 @@
+"""passes/adamw.py: a compiled AdamW update becomes one fused call, with the same result; anything else stays."""
+import copy
+
+import pytest
+import torch
+
+import passes.adamw  # noqa: F401  (registers the pass)
+import passes.param_data  # noqa: F401
+from compile_stack import reference
+from compile_stack.capture import PassBackend
+from compile_stack.config import PRESETS
+from compile_stack.step import StepOptions, TrainStep
+from custom_ops.adamw import fused_adamw
+from passes import registry
+from tests.helpers import HAS_CUDA
+
+FUSED = torch.ops.cstack.fused_adamw_.default
+PASSES = ["param_data", "adamw"]
+# eps large enough that its placement (reference vs torch.optim) shows in fp32 results.
+HYPER = dict(lr=0.05, betas=(0.8, 0.99), eps=1e-3, weight_decay=0.1)
+# Ops of the per-parameter update chains, none of which may survive the pass.
+CHAIN_OPS = {"sqrt", "div", "pow", "lerp", "addcdiv", "addcmul", "fma"}
+CHAIN_OPS |= {"_foreach_" + op for op in CHAIN_OPS}
+ULP = {torch.float32: 2**-23, torch.bfloat16: 2**-8}
+# Compiled vs eager optimizer: the eager one rounds every intermediate to the storage dtype.
+EAGER_TOL = {torch.float32: dict(rtol=1e-5, atol=1e-6), torch.bfloat16: dict(rtol=2**-6, atol=1e-2)}
+
+
+class EpsInsideSqrt(reference.AdamW):
+    """Not AdamW: √(v + eps) instead of √v + eps. Same ops, same inputs: only the probes tell."""
+
+    @torch.no_grad()
+    def step(self):
+        self.t += 1
+        beta1, beta2 = self.betas
+        alpha = self.lr * (1 - beta2**self.t) ** 0.5 / (1 - beta1**self.t)
+        for p, m, v in zip(self.params, self.m, self.v):
+            p.data -= self.lr * self.weight_decay * p.data
+            m.mul_(beta1).add_((1 - beta1) * p.grad)
+            v.mul_(beta2).add_((1 - beta2) * p.grad * p.grad)
+            p.data -= alpha * m / torch.sqrt(v + self.eps)
+
+
+OPTIMIZERS = {
+    "reference": lambda ps: reference.AdamW(ps, **HYPER),
+    "torch": lambda ps: torch.optim.AdamW(ps, **HYPER, foreach=False),
+    "torch_foreach": lambda ps: torch.optim.AdamW(ps, **HYPER, foreach=True),
+    # Not AdamW updates.
+    "sgd_momentum": lambda ps: torch.optim.SGD(ps, lr=0.05, momentum=0.9),
+    "adam_l2": lambda ps: torch.optim.Adam(ps, **HYPER),  # decay added to the gradient
+    "amsgrad": lambda ps: torch.optim.AdamW(ps, **HYPER, amsgrad=True),
+    "maximize": lambda ps: torch.optim.AdamW(ps, **HYPER, maximize=True),
+    "eps_inside_sqrt": lambda ps: EpsInsideSqrt(ps, **HYPER),
+}
+
+
+@pytest.fixture
+def graphs(monkeypatch):
+    """The graphs as our joint-stage passes leave them; fresh Dynamo state, empty report, no Inductor
+    caches (a cache hit would skip the passes)."""
+    torch._dynamo.reset()
+    registry.REPORT.clear()
+    seen = []
+    run_stage = registry.StagePass.__call__
+
+    def recording(self, graph):
+        run_stage(self, graph)
+        if self.stage == "joint":
+            seen.append(graph)
+
+    monkeypatch.setattr(registry.StagePass, "__call__", recording)
+    with torch._inductor.config.patch(force_disable_caches=True):
+        yield seen
+    torch._dynamo.reset()
+
+
+def make_model(dtype, device="cpu"):
+    return torch.nn.Sequential(torch.nn.Linear(7, 5), torch.nn.Linear(5, 3, bias=False)).to(device, dtype)
+
+
+def optimizer_state(opt, params):
+    """Every tensor the optimizer updates: params, then per state (exp_avg, exp_avg_sq, ...) all params'."""
+    if isinstance(opt, reference.AdamW):
+        return list(params) + opt.m + opt.v
+    keys = sorted(k for k, v in opt.state[params[0]].items() if v.dim() > 0)
+    return list(params) + [opt.state[p][k] for k in keys for p in params]
+
+
+def train(kind, model, steps, codegen=False):
+    """``steps`` updates with the same random grads by: the compiled optimizer, the eager one, and the
+    fused op called directly with the optimizer's settings. Returns the three states."""
+    compiled_params = list(model.parameters())
+    eager_params = list(copy.deepcopy(model).parameters())
+    direct = [p.detach().clone() for p in compiled_params]
+    direct += [torch.zeros_like(p) for p in direct for _ in range(2)]
+    compiled, eager = OPTIMIZERS[kind](compiled_params), OPTIMIZERS[kind](eager_params)
+    backend = PassBackend(PASSES, codegen=codegen, name="optimizer")
+    step = torch.compile(compiled.step, backend=backend, fullgraph=kind == "reference")
+    n = len(compiled_params)
+    for t in range(1, steps + 1):
+        grads = [torch.randn_like(p) for p in compiled_params]
+        for params in (compiled_params, eager_params):
+            for p, g in zip(params, grads):
+                p.grad = g.clone()
+        with backend.active():
+            step()
+        eager.step()
+        fused_adamw(direct[:n], grads, direct[n::2], direct[n + 1::2], lr=HYPER["lr"], step=t, betas=HYPER["betas"],
+                    eps=HYPER["eps"], weight_decay=HYPER["weight_decay"], torch_semantics=kind != "reference")
+    direct = direct[:n] + direct[n::2] + direct[n + 1::2]
+    return optimizer_state(compiled, compiled_params), optimizer_state(eager, eager_params), direct
+
+
+def chain_ops(graph):
+    return {passes.adamw._op_name(n.target) for n in graph.nodes} & CHAIN_OPS
+
+
+def check_fused(graphs, fused_graphs, states, dtype):
+    """One fused call per optimizer graph and no update chain left; results as the op's and the optimizer's."""
+    compiled, eager, direct = states
+    assert registry.REPORT.replacements["adamw"] == fused_graphs
+    updating = [g for g in graphs if any(n.target is FUSED for n in g.nodes)]
+    assert len(updating) == fused_graphs
+    for graph in updating:
+        assert sum(n.target is FUSED for n in graph.nodes) == 1
+        assert not chain_ops(graph), graph
+        # Only torch.optim's step counters (0-d) are still written back by the graph.
+        assert all(n.args[0].meta["val"].dim() == 0 for n in graph.nodes if n.target is torch.ops.aten.copy_.default)
+    for c, d in zip(compiled, direct):
+        torch.testing.assert_close(c, d, rtol=2 * ULP[dtype], atol=1e-7)
+    for c, e in zip(compiled, eager):
+        torch.testing.assert_close(c, e, **EAGER_TOL[dtype])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("kind", ["reference", "torch", "torch_foreach"])
+def test_adamw_update_becomes_one_fused_call(graphs, kind, dtype):
+    # The reference optimizer compiles twice: t baked in (t = 1), then t symbolic (t = 2, 3, 4).
+    states = train(kind, make_model(dtype), steps=4)
+    check_fused(graphs, 2 if kind == "reference" else 1, states, dtype)
+    assert not registry.REPORT.notes
+
+
+@pytest.mark.parametrize("kind", ["sgd_momentum", "adam_l2", "amsgrad", "maximize", "eps_inside_sqrt"])
+def test_other_updates_are_left_alone(graphs, kind):
+    compiled, eager, _ = train(kind, make_model(torch.float32), steps=2)
+    assert registry.REPORT.replacements["adamw"] == 0
+    assert not any(n.target is FUSED for g in graphs for n in g.nodes)
+    assert any(note.startswith("adamw: left") for note in registry.REPORT.notes), registry.REPORT.notes
+    for c, e in zip(compiled, eager):
+        torch.testing.assert_close(c, e)
+
+
+def test_param_groups_get_one_call_each(graphs):
+    model = make_model(torch.float32)
+    weights, biases = [p for p in model.parameters() if p.dim() == 2], [p for p in model.parameters() if p.dim() == 1]
+    groups = [{"params": weights}, {"params": biases, "weight_decay": 0.0, "lr": 0.01}]
+    compiled = torch.optim.AdamW(groups, **HYPER, foreach=True)
+    eager_model = copy.deepcopy(model)
+    eager = torch.optim.AdamW([{"params": [p for p in eager_model.parameters() if p.dim() == 2]},
+                               {"params": [p for p in eager_model.parameters() if p.dim() == 1],
+                                "weight_decay": 0.0, "lr": 0.01}], **HYPER, foreach=True)
+    backend = PassBackend(PASSES, codegen=False)
+    step = torch.compile(compiled.step, backend=backend)
+    for _ in range(3):
+        for p, q in zip(model.parameters(), eager_model.parameters()):
+            p.grad = torch.randn_like(p)
+            q.grad = p.grad.clone()
+        with backend.active():
+            step()
+        eager.step()
+    assert registry.REPORT.replacements["adamw"] == 2
+    assert sum(n.target is FUSED for g in graphs for n in g.nodes) == 2
+    for c, e in zip(optimizer_state(compiled, list(model.parameters())),
+                    optimizer_state(eager, list(eager_model.parameters()))):
+        torch.testing.assert_close(c, e, **EAGER_TOL[torch.float32])
+
+
+def test_parameters_at_different_steps_fail_loudly(graphs):
+    # A parameter without a grad is skipped, so its step counter lags; one fused call has one step.
+    model = make_model(torch.float32)
+    params = list(model.parameters())
+    opt = torch.optim.AdamW(params, **HYPER, foreach=False)
+    backend = PassBackend(PASSES, codegen=False)
+    step = torch.compile(opt.step, backend=backend)
+    params[0].grad = torch.randn_like(params[0])
+    with backend.active():
+        step()
+    for p in params:
+        p.grad = torch.randn_like(p)
+    with backend.active(), pytest.raises(RuntimeError, match="different steps"):
+        step()
+
+
+def test_with_inductor(graphs):
+    """Real Inductor codegen on the smallest graph: one parameter, torch.optim's single-tensor form."""
+    weight = torch.nn.Parameter(torch.randn(3, 5))
+    model = torch.nn.Module()
+    model.weight = weight
+    states = train("torch", model, steps=2, codegen=True)
+    check_fused(graphs, 1, states, torch.float32)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")
+@pytest.mark.parametrize("kind", ["reference", "torch", "torch_foreach"])
+def test_gpu_bf16_with_inductor(graphs, kind):
+    model = reference.build_model(PRESETS["tiny"], "cuda", torch.bfloat16)
+    states = train(kind, model, steps=3, codegen=True)
+    check_fused(graphs, 2 if kind == "reference" else 1, states, torch.bfloat16)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")
+def test_gpu_train_step_reference_model(graphs):
+    """The harness step on the reference model and optimizer: same losses and parameters as eager."""
+    cfg = PRESETS["tiny"]
+    model = reference.build_model(cfg, "cuda", torch.bfloat16)
+    eager_model = copy.deepcopy(model)
+    compiled = TrainStep(model, reference.AdamW(model.parameters()), StepOptions(compile=True, passes=PASSES))
+    eager = TrainStep(eager_model, reference.AdamW(eager_model.parameters()), StepOptions())
+    for _ in range(3):
+        inputs, targets = (torch.randint(0, cfg.vocab, (cfg.batch, cfg.seq), device="cuda") for _ in range(2))
+        torch.testing.assert_close(compiled(inputs, targets), eager(inputs, targets), rtol=2e-2, atol=2e-2)
+    # TrainStep traces the step counter as a symbol from the start: one optimizer graph.
+    assert registry.REPORT.replacements["adamw"] == 1
+    for p, q in zip(model.parameters(), eager_model.parameters()):
+        torch.testing.assert_close(p, q, **EAGER_TOL[torch.bfloat16])
