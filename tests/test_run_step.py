@@ -30,10 +30,18 @@ def test_compiled_step_checks_inspects_profiles_and_reports(tmp_path, cache, cap
     assert summary["check"]["ok"] is True
     for key in ("loss_rel_err", "grad_rel_err", "param_rel_err"):
         assert 0 <= summary["check"][key] <= summary["check"]["tolerances"][key]
+    # One rewrite per attention layer, one loss, one fused update; the optimizer compiles once.
+    layers = summary["config"]["layers"]
+    assert summary["passes"] == {"param_data": summary["passes"]["param_data"], "attention": layers,
+                                 "cross_entropy": 1, "adamw": 1}
     assert summary["passes"]["param_data"] > 0
     index = (inspect_dir / "index.md").read_text()
-    for kind in ("model0.dynamo.py", "model0.code.py", "optimizer1.pre_grad.before.txt", "optimizer1.pre_grad.after.txt"):
+    for kind in ("model0.dynamo.py", "model0.joint.before.txt", "model0.joint.after.txt", "model0.code.py",
+                 "model0.code.2.py", "optimizer0.pre_grad.after.txt", "optimizer0.code.py"):
         assert kind in index and (inspect_dir / kind).exists()
+    joint = (inspect_dir / "model0.joint.after.txt").read_text()
+    assert "cstack.flash_attention_fwd" in joint and "cstack.linear_cross_entropy_fwd" in joint
+    assert "cstack.fused_adamw_" in (inspect_dir / "optimizer0.code.py").read_text()
     assert trace.exists() and set(summary["profile"]) >= {"attention", "matmul", "optimizer", "other"}
     assert abs(sum(row["share"] for row in summary["profile"].values()) - 1) < 1e-2
     printed = capsys.readouterr().out
