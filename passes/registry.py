@@ -107,10 +107,14 @@ def load_all() -> dict[str, RegisteredPass]:
 
 
 def resolve(names: Iterable[str] | None) -> list[RegisteredPass]:
-    """The registered passes named (all of them when ``names`` is None), in stage order."""
+    """The registered passes named, in stage order; by default the project's pipeline.
+
+    The pipeline is every pass defined in ``PASS_MODULES``; a pass registered
+    elsewhere (a test's probe, a user's experiment) runs only when named.
+    """
     registry = load_all()
     if names is None:
-        chosen = list(registry.values())
+        chosen = [p for p in registry.values() if p.fn.__module__ in PASS_MODULES]
     else:
         unknown = sorted(set(names) - registry.keys())
         if unknown:
@@ -159,4 +163,5 @@ def installed(names: Iterable[str] | None = None, observer=None) -> Iterator[lis
 
 
 def pass_names() -> list[str]:
-    return list(load_all())
+    """Names of the project's pipeline passes."""
+    return [p.name for p in resolve(None)]

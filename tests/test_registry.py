@@ -106,3 +106,14 @@ def test_compiled_reference_optimizer_matches_eager(dtype):
     for m, n in zip(opt.m + opt.v, opt_eager.m + opt_eager.v):
         torch.testing.assert_close(m, n, rtol=tol, atol=tol)
     assert registry.REPORT.replacements["param_data"] == 2 * 2 * len(opt.params)
+
+
+def test_default_pipeline_is_the_project_passes_only():
+    @registry.register_pass("test_only_probe", stage="post_grad")
+    def probe(graph):
+        return 0
+
+    pipeline = [p.name for p in registry.resolve(None)]
+    assert "test_only_probe" not in pipeline
+    assert set(pipeline) == {"param_data", "attention", "cross_entropy", "adamw"}
+    assert [p.name for p in registry.resolve(["test_only_probe"])] == ["test_only_probe"]
