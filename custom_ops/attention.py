@@ -16,6 +16,7 @@ import os
 from dataclasses import dataclass
 
 import torch
+from torch.utils.flop_counter import register_flop_formula
 import triton
 import triton.language as tl
 
@@ -512,6 +513,26 @@ def _backward(ctx, dout, _dlse):
 
 
 flash_attention_fwd.register_autograd(_backward, setup_context=_setup_context)
+
+
+def attention_flops(q_shape, k_shape, is_causal: bool) -> int:
+    """Forward FLOPs: QKᵀ and PV, 2·Sq·Sk·D each per head; half of it under a causal mask."""
+    *batch, sq, d = q_shape
+    flops = 4 * math.prod(batch) * sq * k_shape[-2] * d
+    return flops // 2 if is_causal else flops
+
+
+# FLOP formulas let FLOP counters, and the partitioner's runtime estimate, see what
+# recomputing attention would cost (without them the op looks free to recompute).
+@register_flop_formula(torch.ops.cstack.flash_attention_fwd)
+def _fwd_flops(q_shape, k_shape, v_shape, is_causal, scale, *args, **kwargs) -> int:
+    return attention_flops(q_shape, k_shape, is_causal)
+
+
+@register_flop_formula(torch.ops.cstack.flash_attention_bwd)
+def _bwd_flops(dout_shape, q_shape, k_shape, *args, **kwargs) -> int:
+    is_causal = args[3]  # after v, out, lse
+    return 5 * attention_flops(q_shape, k_shape, is_causal) // 2
 
 
 def flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool = True,

@@ -33,6 +33,7 @@ the flag.
 import contextlib
 
 import torch
+from torch.utils.flop_counter import register_flop_formula
 import triton
 import triton.language as tl
 
@@ -242,6 +243,12 @@ def _fwd_cpu(hidden, weight, targets, ignore_index, reduction):
 def _fwd_fake(hidden, weight, targets, ignore_index, reduction):
     _check_args(hidden, weight, targets, ignore_index, reduction)
     return hidden.new_empty(()), hidden.new_empty(hidden.shape), weight.new_empty(weight.shape)
+
+
+@register_flop_formula(torch.ops.cstack.linear_cross_entropy_fwd)
+def _fwd_flops(hidden_shape, weight_shape, *args, **kwargs) -> int:
+    """Three matmuls of 2·T·d·V: the logits, d(hidden) and d(weight)."""
+    return 6 * hidden_shape[0] * hidden_shape[1] * weight_shape[0]
 
 
 class _LinearCrossEntropy(torch.autograd.Function):

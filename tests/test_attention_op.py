@@ -288,3 +288,14 @@ def test_gpu_sum_backward_matches_cpu_path():
     A.flash_attention(qc.float(), kc.float(), vc.float()).sum().backward()
     for name, g, r in (("dq", q.grad, qc.grad), ("dk", k.grad, kc.grad), ("dv", v.grad, vc.grad)):
         assert rel_err(g, r) <= TOL[torch.bfloat16], name
+
+
+def test_flop_formulas_count_causal_attention():
+    """The partitioner's runtime estimate needs them: without, recomputing attention looks free."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    q, k, v = (torch.randn(2, 3, 40, 16, requires_grad=True) for _ in range(3))
+    with FlopCounterMode(display=False) as counter:
+        A.flash_attention(q, k, v, is_causal=True).sum().backward()
+    fwd = 4 * 2 * 3 * 40 * 40 * 16 // 2
+    assert counter.get_total_flops() == fwd + 5 * fwd // 2

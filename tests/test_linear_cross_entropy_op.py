@@ -343,3 +343,12 @@ def test_gpu_opcheck():
             torch.ops.cstack.linear_cross_entropy.default,
             (hidden.requires_grad_(), weight.requires_grad_(), targets, -100, "mean"),
         )
+
+
+def test_flop_formula_counts_three_matmuls():
+    from torch.utils.flop_counter import FlopCounterMode
+
+    h, w, t = torch.randn(37, 16), torch.randn(101, 16), torch.randint(101, (37,))
+    with FlopCounterMode(display=False) as counter:
+        torch.ops.cstack.linear_cross_entropy_fwd(h, w, t, -100, "mean")
+    assert counter.get_total_flops() == 6 * 37 * 16 * 101
