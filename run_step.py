@@ -2,6 +2,7 @@
 
     python run_step.py                 # eager reference step, default preset
     python run_step.py --compile       # compiled: our passes + Triton kernels + Inductor
+    torchrun --nproc-per-node 2 run_step.py --compile   # data parallel, FSDP2-sharded (compile_stack/distributed.py)
 
 Prints the config, compile time, median step time, tokens/s, peak memory, MFU,
 the loss and what each of our passes replaced. See --help for the options.
@@ -9,6 +10,7 @@ the loss and what each of our passes replaced. See --help for the options.
 import argparse
 import copy
 import json
+import os
 import platform
 import statistics
 import sys
@@ -17,7 +19,7 @@ from pathlib import Path
 
 import torch
 
-from compile_stack import memory, settings
+from compile_stack import distributed, memory, settings
 from compile_stack.config import H200_PEAK_BF16_FLOPS, PRESET_ORDER, PRESETS, ModelConfig
 from compile_stack.reference import AdamW, build_model
 from compile_stack.step import StepOptions, TrainStep
@@ -67,10 +69,11 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 
 def log(msg: str) -> None:
-    print(msg, flush=True)
+    if os.environ.get("RANK", "0") == "0":
+        print(msg, flush=True)
 
 
-def choose_config(args, device: torch.device, device_bytes: float | None) -> tuple[str, ModelConfig, str]:
+def choose_config(args, device: torch.device, device_bytes: float, world: int) -> tuple[str, ModelConfig, str]:
     """The preset (given, or the largest that fits) with the command-line overrides applied."""
     overrides = {name: getattr(args, name) for name in OVERRIDES}
     if args.preset:
@@ -79,18 +82,18 @@ def choose_config(args, device: torch.device, device_bytes: float | None) -> tup
         return "tiny", PRESETS["tiny"].with_overrides(**overrides), "no GPU: tiny runs on the CPU"
     for name in PRESET_ORDER:
         cfg = PRESETS[name].with_overrides(**overrides)
-        if memory.fits(cfg, args.compile, device_bytes, memory_budget=0.0):
-            estimate = memory.estimate_peak_bytes(cfg, args.compile, 0.0) / memory.GIB
+        if memory.fits(cfg, args.compile, device_bytes, memory_budget=0.0, world=world):
+            estimate = memory.estimate_peak_bytes(cfg, args.compile, 0.0, world=world) / memory.GIB
             return name, cfg, f"largest preset whose estimate ({estimate:.0f} GiB) fits the GPU's {device_bytes / memory.GIB:.0f} GiB"
     return "tiny", PRESETS["tiny"].with_overrides(**overrides), "nothing larger fits"
 
 
-def choose_budget(args, cfg: ModelConfig, device: torch.device, device_bytes: float | None) -> float | None:
+def choose_budget(args, cfg: ModelConfig, device: torch.device, device_bytes: float, world: int) -> float | None:
     """The least recomputation that fits: the largest budget whose estimate fits the device."""
     if args.memory_budget is not None or not args.compile or device.type != "cuda":
         return args.memory_budget
     for budget in [b / 20 for b in range(20, -1, -1)]:
-        if memory.fits(cfg, True, device_bytes, budget):
+        if memory.fits(cfg, True, device_bytes, budget, world=world):
             return budget
     return 0.0
 
@@ -162,18 +165,24 @@ def measure(step: FirstCallTimer, batch, args, device, cfg: ModelConfig, label: 
 
 
 def run(args) -> dict:
-    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    rank, world = 0, 1
+    if distributed.is_distributed():
+        if args.check or args.compare:
+            raise SystemExit("--check/--compare: not supported under torchrun; run them in one process")
+        rank, world, device = distributed.setup_distributed()
+    else:
+        device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     if device.type == "cuda" and not torch.cuda.is_available():
         raise SystemExit("--device: expected cpu on this machine (no CUDA GPU is available), got cuda")
     device_bytes = memory.device_bytes(device)
-    preset, cfg, why = choose_config(args, device, device_bytes)
-    budget = choose_budget(args, cfg, device, device_bytes)
+    preset, cfg, why = choose_config(args, device, device_bytes, world)
+    budget = choose_budget(args, cfg, device, device_bytes, world)
     dtype = getattr(torch, args.dtype)
     device_name = torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "cpu"
     log(f"device: {device} ({device_name}); torch {torch.__version__}")
     log(f"preset: {preset} ({why}); config: {cfg}")
     log(f"mode: {'compiled' if args.compile else 'eager'}; dtype {args.dtype}; memory budget: {budget}")
-    estimate = memory.estimate_peak_bytes(cfg, args.compile, budget if budget is not None else 1.0)
+    estimate = memory.estimate_peak_bytes(cfg, args.compile, budget if budget is not None else 1.0, world=world)
     if estimate > memory.USABLE_FRACTION * device_bytes and not args.force:
         raise SystemExit(
             f"config does not fit: estimated peak {estimate / memory.GIB:.1f} GiB "
@@ -182,7 +191,9 @@ def run(args) -> dict:
             "Use a smaller preset or overrides, --compile, a lower --memory-budget, or --force to try anyway."
         )
 
-    settings.use_cache_dir(args.cache_dir, fresh=args.fresh_cache)
+    settings.use_cache_dir(args.cache_dir, fresh=args.fresh_cache and rank == 0)
+    if world > 1:
+        torch.distributed.barrier()  # rank 0 has emptied the shared caches
     log(f"compile caches: {settings.default_cache_dir()}{' (emptied)' if args.fresh_cache else ''}")
     passes = args.passes.split(",") if args.passes else None
     pass_names = [p.name for p in registry.resolve(passes)]
@@ -194,7 +205,11 @@ def run(args) -> dict:
     batch = tuple(torch.randint(cfg.vocab, (cfg.batch, cfg.seq), generator=generator).to(device) for _ in range(2))
     options = StepOptions(compile=args.compile, passes=passes, inspect_dir=args.inspect, memory_budget=budget)
     reference_model = copy.deepcopy(model) if args.check else None
-    step = FirstCallTimer(TrainStep(model, AdamW(model.parameters()), options))
+    if world > 1:
+        step = FirstCallTimer(distributed.DistributedTrainStep(model, AdamW, options))
+        batch = tuple(distributed.shard_batch(t, rank, world) for t in batch)
+    else:
+        step = FirstCallTimer(TrainStep(model, AdamW(model.parameters()), options))
 
     summary = {
         "device": str(device), "device_name": device_name, "torch": torch.__version__,
@@ -211,6 +226,10 @@ def run(args) -> dict:
         log(f"check: {json.dumps(summary['check'])}")
 
     summary.update(measure(step, batch, args, device, cfg, "ours"))
+    if world > 1:
+        summary.update(distributed.rank_summary([summary["step_ms"]], device))
+        summary["mfu"] = round(summary["mfu"] / world, 4)  # of `world` GPUs' peak
+        summary["comm_overlap"] = distributed.profile_overlap(lambda: step(*batch))
     summary["passes"] = registry.REPORT.as_dict(pass_names)
     summary["pass_notes"] = list(registry.REPORT.notes)
     _raise_on_bad_targets()
@@ -218,6 +237,8 @@ def run(args) -> dict:
     if args.profile:
         from compile_stack.profiling import format_breakdown, profile_step
 
+        if world > 1:
+            args.profile = args.profile.with_name(f"{args.profile.stem}.rank{rank}{args.profile.suffix}")
         log(f"profiling one step into {args.profile}...")
         summary["profile"] = profile_step(lambda: step(*batch), cfg, args.profile)
         log(format_breakdown(summary["profile"]))
@@ -259,6 +280,9 @@ def print_summary(s: dict) -> None:
     log(f"{'mode':<22}{'compiled' if s['compiled'] else 'eager'}")
     for key in ("compile_s", "step_ms", "tokens_per_s", "peak_mem_gib", "mfu", "loss"):
         log(f"{key:<22}{s[key]}")
+    for key in ("world_size", "step_ms_per_rank", "peak_mem_gib_per_rank", "comm_overlap"):
+        if key in s:
+            log(f"{key:<22}{s[key]}")
     log(f"{'passes':<22}{s['passes']}")
     for n in s["pass_notes"]:
         log(f"{'':<22}note: {n}")
@@ -277,7 +301,9 @@ def main(argv=None) -> int:
     except torch.OutOfMemoryError as e:
         raise SystemExit(f"out of memory: {str(e).splitlines()[0]}\nTry --memory-budget lower, or a smaller config.")
     print_summary(summary)
-    if args.json:
+    if torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
+    if args.json and os.environ.get("RANK", "0") == "0":
         args.json.write_text(json.dumps(summary, indent=2))
         log(f"summary written to {args.json}")
     return 0 if summary.get("check", {}).get("ok", True) else 1

@@ -17,6 +17,7 @@ import contextlib
 import functools
 import hashlib
 import json
+import os
 from collections import Counter
 from pathlib import Path
 
@@ -122,4 +123,7 @@ class PassBackend:
                 counts[p.name] = stored.get(p.name, 0)
                 report.replacements[p.name] += counts[p.name]
         key.parent.mkdir(parents=True, exist_ok=True)
-        key.write_text(json.dumps(counts))
+        # Atomic: ranks of a distributed run share the cache directory.
+        partial = key.with_suffix(f".{os.getpid()}.tmp")
+        partial.write_text(json.dumps(counts))
+        os.replace(partial, key)

@@ -35,20 +35,25 @@ def _token_bytes_per_layer(cfg: ModelConfig, nbytes: int) -> tuple[float, float]
     return floor, everything
 
 
-def estimate_peak_bytes(cfg: ModelConfig, compiled: bool, memory_budget: float = 1.0, nbytes: int = 2) -> float:
-    state = 4 * cfg.params * nbytes
+def estimate_peak_bytes(
+    cfg: ModelConfig, compiled: bool, memory_budget: float = 1.0, nbytes: int = 2, world: int = 1
+) -> float:
+    """Peak bytes on one device; with ``world`` data-parallel ranks the state is sharded
+    across them and each holds batch/world sequences."""
+    state = 4 * cfg.params * nbytes / world
+    tokens = cfg.tokens / world
     floor, everything = _token_bytes_per_layer(cfg, nbytes)
     if not compiled:
-        scores = 4 * cfg.batch * cfg.heads * cfg.seq**2 * nbytes
-        logits = 3 * cfg.tokens * cfg.vocab * nbytes
-        return state + cfg.layers * (scores + cfg.tokens * everything) + logits
+        scores = 4 * cfg.batch / world * cfg.heads * cfg.seq**2 * nbytes
+        logits = 3 * tokens * cfg.vocab * nbytes
+        return state + cfg.layers * (scores + tokens * everything) + logits
     saved = floor + memory_budget * (everything - floor)
-    working = cfg.tokens * everything + CE_CHUNK_BYTES
-    return state + cfg.layers * cfg.tokens * saved + working
+    working = tokens * everything + CE_CHUNK_BYTES
+    return state + cfg.layers * tokens * saved + working
 
 
-def fits(cfg: ModelConfig, compiled: bool, device_bytes: float, memory_budget: float = 1.0) -> bool:
-    return estimate_peak_bytes(cfg, compiled, memory_budget) <= USABLE_FRACTION * device_bytes
+def fits(cfg: ModelConfig, compiled: bool, device_bytes: float, memory_budget: float = 1.0, world: int = 1) -> bool:
+    return estimate_peak_bytes(cfg, compiled, memory_budget, world=world) <= USABLE_FRACTION * device_bytes
 
 
 def device_bytes(device: torch.device) -> float:

@@ -60,15 +60,23 @@ class TrainStep:
         return cross_entropy(self.model(inputs), targets).sum()
 
     def __call__(self, inputs, targets):
-        with (
-            self.backend.active() if self.backend else contextlib.nullcontext(),
-            torch.compiler.config.patch(dynamic_sources=_step_counter_sources(self.optimizer)),
-        ):
+        with step_context(self.backend, self.optimizer):
             self.optimizer.zero_grad(set_to_none=True)
             loss = self.loss_fn(inputs, targets)
             loss.backward()
             self.optimizer_step()
         return loss
+
+
+@contextlib.contextmanager
+def step_context(backend: PassBackend | None, optimizer):
+    """What a step runs inside: our passes and settings (when compiled), and the
+    optimizer's step counter traced as a symbol."""
+    with (
+        backend.active() if backend else contextlib.nullcontext(),
+        torch.compiler.config.patch(dynamic_sources=_step_counter_sources(optimizer)),
+    ):
+        yield
 
 
 def _step_counter_sources(optimizer) -> str:

@@ -44,3 +44,10 @@ def test_memory_estimate_orders_eager_above_compiled_and_budget_monotone():
     assert memory.fits(full, True, h200, memory_budget=0.0)
     assert not memory.fits(full, True, h200, memory_budget=1.0)
     assert not memory.fits(full, False, h200)
+
+
+def test_memory_estimate_shards_state_and_batch_over_ranks():
+    full = PRESETS["full"]
+    one, two = (memory.estimate_peak_bytes(full, compiled=True, memory_budget=0.5, world=w) for w in (1, 2))
+    # Half the state and half the tokens per rank, the cross-entropy chunk stays.
+    assert two == pytest.approx((one - memory.CE_CHUNK_BYTES) / 2 + memory.CE_CHUNK_BYTES)

@@ -1,0 +1,304 @@
+"""Data-parallel train step over N processes: FSDP2 sharding, our passes and ops.
+
+    torchrun --nproc-per-node 2 run_step.py --compile
+
+Each rank takes batch/world sequences of the global batch. Parameters,
+gradients and AdamW moments are sharded across the ranks (ZeRO-3) with
+FSDP2's ``fully_shard``: one FSDP group per Block, and the root group (the
+embedding, the final norm and the LM head). FSDP2 all-gathers a group's
+parameters before its forward and again before its backward, and
+reduce-scatters its gradients after; it issues these on its own streams, and
+we prefetch the next group, so communication runs under compute.
+
+Where compilation stops, and why:
+
+- FSDP2's hooks stay eager: they run around each group's forward. Compiled
+  are each Block's ``forward`` (one Dynamo graph per block and its
+  AOTAutograd backward; all blocks share one compiled graph), the embedding
+  lookup, and the head with the loss — ``cross_entropy(lm_head(norm(x)), y)``
+  in ONE graph, so our fused LM-head + cross-entropy pass still applies.
+  ``ShardedLoss.forward`` therefore spells out the model's forward
+  (embedding, blocks, norm, head): the structure REFERENCE.md §2 fixes.
+- The optimizer runs on the local shards. Dynamo cannot trace ``p.data -= …``
+  on a DTensor (``set_`` fails under fake tensors, before any pass of ours
+  runs), and on plain tensors our AdamW pass and kernel see the update.
+  ``LocalShards`` gives the optimizer tensors that alias each DTensor
+  parameter's local shard, and hands them the local gradient shard before
+  every step; in-place updates land in FSDP2's sharded storage.
+
+Semantics: each rank's loss is the mean over its own tokens, FSDP2 averages
+gradients over the ranks, so with equal shares per rank the gradient is the
+full-batch mean's and AdamW sees exactly it. The step returns the loss
+averaged over ranks: the full-batch loss.
+"""
+import contextlib
+import os
+import statistics
+from collections.abc import Callable
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch.distributed.fsdp import FSDPModule, fully_shard
+from torch.distributed.tensor import DTensor
+
+from compile_stack.capture import PassBackend
+from compile_stack.inspection import InspectionWriter
+from compile_stack.reference import Transformer, cross_entropy
+from compile_stack.step import StepOptions, step_context
+from custom_ops.checks import require
+
+ENV_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
+
+
+def is_distributed() -> bool:
+    """Whether this process was started by torchrun with more than one process."""
+    return int(os.environ.get("WORLD_SIZE", "1")) > 1
+
+
+def setup_distributed() -> tuple[int, int, torch.device]:
+    """Join the process group torchrun describes: (rank, world size, this rank's device).
+
+    One GPU per process (``cuda:LOCAL_RANK``, NCCL), or the CPU with gloo.
+    """
+    missing = [v for v in ENV_VARS if v not in os.environ]
+    require(not missing, "environment", f"torchrun's variables {ENV_VARS}", f"{missing} missing")
+    local_rank = int(os.environ["LOCAL_RANK"])
+    if torch.cuda.is_available():
+        device = torch.device("cuda", local_rank)
+        torch.cuda.set_device(device)
+    else:
+        device = torch.device("cpu")
+    if not dist.is_initialized():
+        dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
+    return dist.get_rank(), dist.get_world_size(), device
+
+
+def shard_batch(tensor: torch.Tensor, rank: int, world: int) -> torch.Tensor:
+    """This rank's contiguous share of the global batch (dim 0)."""
+    require(tensor.dim() >= 1 and tensor.shape[0] % world == 0, "tensor",
+            f"a batch dimension divisible by the world size {world}", tuple(tensor.shape))
+    share = tensor.shape[0] // world
+    return tensor[rank * share:(rank + 1) * share]
+
+
+class ShardedLoss(nn.Module):
+    """``cross_entropy(model(inputs), targets).sum()`` of a FSDP2-sharded model.
+
+    The root FSDP module. ``compile_pieces`` swaps in compiled pieces; the FSDP2 hooks
+    that run around them (this module's and each block's) stay eager.
+    """
+
+    def __init__(self, model: Transformer):
+        super().__init__()
+        self.model = model
+        self.embed = self._embed
+        self.head_loss = self._head_loss
+
+    def _embed(self, inputs):
+        return self.model.embedding[inputs]
+
+    def _head_loss(self, x, targets):
+        return cross_entropy(self.model.lm_head(self.model.norm(x)), targets).sum()
+
+    def compile_pieces(self, backend) -> None:
+        """Compile the embedding, each block's forward and the head + loss with ``backend``."""
+        self.embed = torch.compile(self._embed, backend=backend, fullgraph=True)
+        self.head_loss = torch.compile(self._head_loss, backend=backend, fullgraph=True)
+        for block in self.model.blocks:
+            block.forward = torch.compile(block.forward, backend=backend, fullgraph=True)
+
+    def forward(self, inputs, targets):
+        x = self.embed(inputs)
+        for block in self.model.blocks:
+            x = block(x)
+        return self.head_loss(x, targets)
+
+
+def shard_model(model: Transformer, reshard_after_forward: bool = True) -> ShardedLoss:
+    """Shard ``model`` in place with FSDP2 (a group per block, then the root); return the root.
+
+    Every rank must pass the same weights; rank 0's are broadcast to make sure.
+    Blocks prefetch their neighbour's parameters (the next block in forward,
+    the previous one in backward) so its all-gather overlaps this block's compute.
+    """
+    require(isinstance(model, Transformer), "model", "a compile_stack.reference.Transformer", type(model).__name__)
+    require(dist.is_initialized(), "model", "a process group set up first (setup_distributed())", "none")
+    with torch.no_grad():
+        for t in [*model.parameters(), *model.buffers()]:
+            dist.broadcast(t, src=0)
+    blocks = list(model.blocks)
+    for block in blocks:
+        fully_shard(block, reshard_after_forward=reshard_after_forward)
+    for prev, nxt in zip(blocks, blocks[1:]):
+        prev.set_modules_to_forward_prefetch([nxt])
+        nxt.set_modules_to_backward_prefetch([prev])
+    return fully_shard(ShardedLoss(model), reshard_after_forward=reshard_after_forward)
+
+
+class LocalShards:
+    """Plain tensors aliasing each DTensor parameter's local shard, for the optimizer.
+
+    Made after the first backward (FSDP2 settles its sharded storage at its
+    lazy init, in the first forward). ``load_grads`` gives each alias its local
+    gradient shard.
+    """
+
+    def __init__(self, params: list[nn.Parameter]):
+        self.params = params
+        with torch.no_grad():
+            self.tensors = [p.to_local().detach() for p in params]
+
+    def load_grads(self) -> None:
+        with torch.no_grad():
+            for p, t in zip(self.params, self.tensors):
+                local = p.to_local()
+                if local.data_ptr() != t.data_ptr():
+                    raise RuntimeError("FSDP2 moved a parameter's local shard; the optimizer's alias is stale")
+                # detach(): a non-view alias. FSDP2's gradient shards are views into one reduce-scatter
+                # buffer; as views Dynamo would trace them from that buffer, with symbolic offsets.
+                t.grad = None if p.grad is None else p.grad.to_local().detach()
+
+
+class DistributedTrainStep:
+    """Callable ``step(inputs, targets) -> loss`` on this rank's batch share; returns the global loss.
+
+    ``model`` is the unsharded model (same weights on every rank; it is
+    sharded in place); ``make_optimizer(tensors)`` builds the optimizer over
+    the local shards (e.g. ``reference.AdamW``).
+    """
+
+    def __init__(self, model: Transformer, make_optimizer: Callable, options: StepOptions,
+                 reshard_after_forward: bool = True):
+        require(callable(make_optimizer), "make_optimizer", "a callable building the optimizer from tensors",
+                type(make_optimizer).__name__)
+        self.sharded = shard_model(model, reshard_after_forward)
+        self.make_optimizer = make_optimizer
+        self.options = options
+        self.world = dist.get_world_size()
+        self.shards = None
+        self.optimizer = None
+        self.optimizer_step = None
+        self.backend = None
+        self.optimizer_backend = None
+        if options.compile:
+            writer = InspectionWriter(options.inspect_dir) if options.inspect_dir and dist.get_rank() == 0 else None
+
+            def backend(name):
+                return PassBackend(options.passes, writer, options.memory_budget, name=name, codegen=options.codegen)
+
+            self.backend = backend("model")
+            self.optimizer_backend = backend("optimizer")
+            self.sharded.compile_pieces(self.backend)
+
+    def _build_optimizer(self) -> None:
+        self.shards = LocalShards(list(self.sharded.parameters()))
+        self.optimizer = self.make_optimizer(self.shards.tensors)
+        self.optimizer_step = self.optimizer.step
+        if self.options.compile:
+            self.optimizer_step = torch.compile(self.optimizer.step, backend=self.optimizer_backend, fullgraph=True)
+
+    def __call__(self, inputs, targets):
+        with self.backend.active() if self.backend else contextlib.nullcontext():
+            self.sharded.zero_grad(set_to_none=True)
+            if self.optimizer is not None:
+                self.optimizer.zero_grad(set_to_none=True)
+            loss = self.sharded(inputs, targets)
+            loss.backward()
+        if self.optimizer is None:
+            self._build_optimizer()
+        self.shards.load_grads()
+        with step_context(self.optimizer_backend, self.optimizer):
+            self.optimizer_step()
+        total = loss.detach().clone()
+        dist.all_reduce(total)  # SUM: gloo has no AVG
+        return total / self.world
+
+
+def gather_full_params(step_or_model) -> dict[str, torch.Tensor]:
+    """Full parameters by the unsharded model's names (a collective: call on every rank)."""
+    root = step_or_model.sharded if isinstance(step_or_model, DistributedTrainStep) else step_or_model
+    require(isinstance(root, ShardedLoss) and isinstance(root, FSDPModule), "step_or_model",
+            "a DistributedTrainStep or the ShardedLoss shard_model returned", type(root).__name__)
+    with torch.no_grad():
+        return {name: (p.full_tensor() if isinstance(p, DTensor) else p).detach().clone()
+                for name, p in root.model.named_parameters()}
+
+
+def interval_overlap(comm: list[tuple[float, float]], compute: list[tuple[float, float]]) -> dict:
+    """Communication time, and how much of it ran while no compute did (exposed).
+
+    Intervals are (start, end) in any one unit; overlaps within a kind are merged.
+    """
+    comm_u, compute_u = _union(comm), _union(compute)
+    comm_total = sum(e - s for s, e in comm_u)
+    hidden = 0.0
+    i = 0
+    for s, e in comm_u:
+        while i < len(compute_u) and compute_u[i][1] <= s:
+            i += 1
+        j = i
+        while j < len(compute_u) and compute_u[j][0] < e:
+            hidden += min(e, compute_u[j][1]) - max(s, compute_u[j][0])
+            j += 1
+    return {
+        "comm": comm_total,
+        "compute": sum(e - s for s, e in compute_u),
+        "hidden_comm": hidden,
+        "exposed_comm": comm_total - hidden,
+        "hidden_fraction": hidden / comm_total if comm_total > 0 else None,
+    }
+
+
+def _union(intervals: list[tuple[float, float]]) -> list[tuple[float, float]]:
+    merged = []
+    for s, e in sorted(intervals):
+        if merged and s <= merged[-1][1]:
+            merged[-1] = (merged[-1][0], max(merged[-1][1], e))
+        else:
+            merged.append((s, e))
+    return merged
+
+
+def profile_overlap(step_fn: Callable[[], object]) -> dict | None:
+    """Profile one GPU step: NCCL kernel time, and how much of it overlapped compute kernels (ms).
+
+    None on the CPU: gloo runs collectives on host threads, with no device timeline to compare.
+    """
+    if not torch.cuda.is_available():
+        return None
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        step_fn()
+        torch.cuda.synchronize()
+    comm, compute = [], []
+    for event in prof.events():
+        if event.device_type == DeviceType.CUDA and event.time_range.end > event.time_range.start:
+            kind = comm if "nccl" in event.name.lower() else compute
+            kind.append((event.time_range.start, event.time_range.end))
+    stats = interval_overlap(comm, compute)
+    result = {f"{k}_ms": round(v / 1e3, 3) for k, v in stats.items() if k != "hidden_fraction"}
+    result["hidden_fraction"] = None if stats["hidden_fraction"] is None else round(stats["hidden_fraction"], 4)
+    return result
+
+
+def rank_summary(step_ms: list[float], device: torch.device) -> dict:
+    """Per-rank figures gathered to every rank: step time (median; the slowest rank's) and peak memory."""
+    if device.type == "cuda":
+        peak = torch.cuda.max_memory_allocated(device) / 2**30
+    else:
+        import resource
+
+        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / 2**30
+    mine = {"step_ms": statistics.median(step_ms), "peak_mem_gib": peak}
+    ranks = [None] * dist.get_world_size()
+    dist.all_gather_object(ranks, mine)
+    return {
+        "world_size": len(ranks),
+        "step_ms": round(max(r["step_ms"] for r in ranks), 2),
+        "step_ms_per_rank": [round(r["step_ms"], 2) for r in ranks],
+        "peak_mem_gib_per_rank": [round(r["peak_mem_gib"], 2) for r in ranks],
+        "peak_mem_gib": round(max(r["peak_mem_gib"] for r in ranks), 2),
+    }

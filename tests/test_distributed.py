@@ -1,0 +1,185 @@
+"""Data parallel over 2 processes (gloo on the CPU, NCCL on GPUs) against the single-process step.
+
+One spawn runs every case: the sharded step for 2 steps on each rank's half
+of the batch, then the full parameters gathered; the single-process steps on
+the full batch run afterwards, split across the two processes.
+"""
+import os
+import socket
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from compile_stack import distributed as D
+from compile_stack import settings
+from compile_stack.check import TOLERANCES
+from compile_stack.config import PRESETS
+from compile_stack.reference import AdamW, build_model
+from compile_stack.step import StepOptions, TrainStep
+from tests.helpers import HAS_CUDA, rel_err
+
+WORLD = 2
+STEPS = 2
+# name: (dtype, compiled)
+CPU_CASES = {"fp32_compiled": (torch.float32, True), "bf16_compiled": (torch.bfloat16, True),
+             "fp32_eager": (torch.float32, False)}
+GPU_CASES = {"bf16_compiled": (torch.bfloat16, True)}
+GPU_CONFIG = PRESETS["tiny"].with_overrides(layers=2, seq=1024, d_model=1024, heads=8, d_ff=2816, vocab=32000)
+
+
+def _batches(cfg, device):
+    g = torch.Generator().manual_seed(1)
+    return [tuple(torch.randint(cfg.vocab, (cfg.batch, cfg.seq), generator=g).to(device) for _ in range(2))
+            for _ in range(STEPS)]
+
+
+def _model(cfg, dtype, device):
+    torch.manual_seed(0)
+    return build_model(cfg, device, dtype)
+
+
+def _to_cpu(params):
+    return {n: p.detach().cpu().clone() for n, p in params.items()}
+
+
+def _worker(rank, port, out_dir, cfg, cases, codegen):
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
+                      WORLD_SIZE=str(WORLD), LOCAL_RANK=str(rank))
+    from passes import registry
+
+    torch.set_num_threads(1)  # one core per rank, as torchrun sets it
+    settings.use_cache_dir(os.path.join(out_dir, f"cache{rank}"))
+    rank, world, device = D.setup_distributed()
+    out = {"dist": {}, "single": {}}
+    for name, (dtype, compiled) in cases.items():
+        model = _model(cfg, dtype, device)
+        step = D.DistributedTrainStep(model, AdamW, StepOptions(compile=compiled, codegen=codegen))
+        losses = [step(D.shard_batch(x, rank, world), D.shard_batch(y, rank, world)).item()
+                  for x, y in _batches(cfg, device)]
+        out["dist"][name] = {
+            "losses": losses,
+            "params": _to_cpu(D.gather_full_params(step)),
+            "local_numel": sum(t.numel() for t in step.shards.tensors),
+            "state_numel": sum(m.numel() + v.numel() for m, v in zip(step.optimizer.m, step.optimizer.v)),
+            "graphs": step.backend.graphs if step.backend else None,
+        }
+        if device.type == "cuda":
+            out["dist"][name]["overlap"] = D.profile_overlap(
+                lambda: step(*(D.shard_batch(t, rank, world) for t in _batches(cfg, device)[0])))
+    out["passes"] = dict(registry.REPORT.replacements)
+    # The single-process references, shared out between the ranks.
+    for i, (name, (dtype, compiled)) in enumerate(cases.items()):
+        if i % world != rank:
+            continue
+        model = _model(cfg, dtype, device)
+        out["single"][name] = {"init": _to_cpu(dict(model.named_parameters()))}
+        step = TrainStep(model, AdamW(model.parameters()), StepOptions(compile=compiled, codegen=codegen))
+        out["single"][name]["losses"] = [step(x, y).item() for x, y in _batches(cfg, device)]
+        out["single"][name]["params"] = _to_cpu(dict(model.named_parameters()))
+    torch.save(out, os.path.join(out_dir, f"rank{rank}.pt"))
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _spawn(tmp_path, cfg, cases, codegen) -> dict:
+    mp.spawn(_worker, args=(_free_port(), str(tmp_path), cfg, cases, codegen), nprocs=WORLD)
+    ranks = [torch.load(tmp_path / f"rank{r}.pt") for r in range(WORLD)]
+    single = {k: v for r in ranks for k, v in r["single"].items()}
+    return {"ranks": ranks, "dist": ranks[0]["dist"], "single": single}
+
+
+@pytest.fixture(scope="module")
+def cpu_run(tmp_path_factory):
+    return _spawn(tmp_path_factory.mktemp("dist"), PRESETS["tiny"], CPU_CASES, codegen=False)
+
+
+def _global_rel(a: dict, b: dict) -> float:
+    num = sum(((a[n].double() - b[n].double()) ** 2).sum() for n in b)
+    return float((num / sum((t.double() ** 2).sum() for t in b.values())).sqrt())
+
+
+def _check_matches(run, name, loss_tol, param_tol):
+    d, s = run["dist"][name], run["single"][name]
+    assert d["params"].keys() == s["params"].keys()
+    # The step moved the weights, so agreeing after it means something.
+    assert _global_rel(s["params"], s["init"]) > 1e-4
+    for ld, ls in zip(d["losses"], s["losses"], strict=True):
+        assert abs(ld - ls) / abs(ls) <= loss_tol, (d["losses"], s["losses"])
+    assert _global_rel(d["params"], s["params"]) <= param_tol
+    return d
+
+
+@pytest.mark.parametrize("name", ["fp32_compiled", "fp32_eager"])
+def test_fp32_matches_single_process(cpu_run, name):
+    d = _check_matches(cpu_run, name, loss_tol=1e-5, param_tol=1e-5)
+    for n, p in cpu_run["single"][name]["params"].items():
+        assert rel_err(d["params"][n], p) <= 1e-5, n
+
+
+def test_bf16_matches_single_process(cpu_run):
+    _check_matches(cpu_run, "bf16_compiled", TOLERANCES["loss_rel_err"], TOLERANCES["param_rel_err"])
+
+
+def test_parameters_and_states_are_sharded(cpu_run):
+    total = PRESETS["tiny"].params
+    for r in cpu_run["ranks"]:
+        case = r["dist"]["fp32_compiled"]
+        assert case["local_numel"] == total // WORLD
+        assert case["state_numel"] == 2 * total // WORLD
+    assert sum(p.numel() for p in cpu_run["dist"]["fp32_compiled"]["params"].values()) == total
+
+
+def test_compiled_step_applies_every_pass_with_one_block_graph(cpu_run):
+    from passes import registry
+
+    for r in cpu_run["ranks"]:
+        assert {name: r["passes"].get(name, 0) > 0 for name in registry.pass_names()} == \
+            {name: True for name in registry.pass_names()}
+    # The embedding, ONE graph for every block (no recompile per block), the head with the loss.
+    assert cpu_run["dist"]["fp32_compiled"]["graphs"] == 3
+
+
+def test_shard_batch():
+    x = torch.arange(12).view(4, 3)
+    assert torch.equal(D.shard_batch(x, 1, 2), x[2:])
+    with pytest.raises(ValueError, match="tensor: expected a batch dimension divisible by the world size 3"):
+        D.shard_batch(x, 0, 3)
+
+
+def test_bad_setup_raises(monkeypatch):
+    monkeypatch.delenv("MASTER_PORT", raising=False)
+    with pytest.raises(ValueError, match="environment: expected torchrun's variables"):
+        D.setup_distributed()
+    assert not dist.is_initialized()
+    with pytest.raises(ValueError, match="model: expected a process group"):
+        D.shard_model(_model(PRESETS["tiny"], torch.float32, "cpu"))
+    with pytest.raises(ValueError, match="model: expected a compile_stack.reference.Transformer"):
+        D.shard_model(torch.nn.Linear(2, 2))
+    with pytest.raises(ValueError, match="step_or_model: expected a DistributedTrainStep"):
+        D.gather_full_params(torch.nn.Linear(2, 2))
+
+
+def test_interval_overlap():
+    # comm [0,4) ∪ [3,6) = [0,6); compute [1,2) ∪ [5,9): hidden 1 + 1 = 2, exposed 4.
+    stats = D.interval_overlap([(3, 6), (0, 4)], [(5, 9), (1, 2)])
+    assert stats == {"comm": 6, "compute": 5, "hidden_comm": 2, "exposed_comm": 4, "hidden_fraction": 2 / 6}
+    assert D.interval_overlap([], [(0, 1)])["hidden_fraction"] is None
+    assert D.interval_overlap([(0, 2)], [(0, 1), (1, 2)])["exposed_comm"] == 0
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_CUDA or torch.cuda.device_count() < WORLD, reason=f"needs {WORLD} GPUs")
+def test_two_gpus_bf16_matches_single_process_and_overlaps(tmp_path):
+    run = _spawn(tmp_path, GPU_CONFIG, GPU_CASES, codegen=True)
+    _check_matches(run, "bf16_compiled", TOLERANCES["loss_rel_err"], TOLERANCES["param_rel_err"])
+    overlap = run["dist"]["bf16_compiled"]["overlap"]
+    assert overlap["comm_ms"] > 0 and overlap["compute_ms"] > 0
+    assert 0 <= overlap["hidden_fraction"] <= 1
