@@ -19,6 +19,7 @@ TOLERANCES = {
 FP32_TOLERANCES = {"loss_rel_err": 1e-4, "grad_rel_err": 1e-3, "param_rel_err": 1e-4}
 
 
+@torch.no_grad()
 def _rel(a: list[torch.Tensor], b: list[torch.Tensor]) -> float:
     num = sum(((x.double() - y.double()) ** 2).sum() for x, y in zip(a, b))
     den = sum((y.double() ** 2).sum() for y in b)
