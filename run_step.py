@@ -43,6 +43,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--dtype", choices=("bfloat16", "float32"), default="bfloat16", help="model dtype")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--passes", help="comma-separated passes to run (default: all registered)")
+    p.add_argument("--regional", action="store_true",
+                   help="compile the embedding, one block (shared by all blocks) and the head+loss as separate "
+                        "graphs: compile time stops growing with the layer count")
     p.add_argument("--memory-budget", type=float,
                    help="activation memory budget in [0, 1] for the partitioner: lower saves less and recomputes "
                         "more (default: the largest the memory estimate allows)")
@@ -203,7 +206,8 @@ def run(args) -> dict:
     model = build_model(cfg, device, dtype)
     generator = torch.Generator(device="cpu").manual_seed(args.seed + 1)
     batch = tuple(torch.randint(cfg.vocab, (cfg.batch, cfg.seq), generator=generator).to(device) for _ in range(2))
-    options = StepOptions(compile=args.compile, passes=passes, inspect_dir=args.inspect, memory_budget=budget)
+    options = StepOptions(compile=args.compile, passes=passes, inspect_dir=args.inspect, memory_budget=budget,
+                          regional=args.regional)
     reference_model = copy.deepcopy(model) if args.check else None
     if world > 1:
         step = FirstCallTimer(distributed.DistributedTrainStep(model, AdamW, options))

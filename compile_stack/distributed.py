@@ -17,8 +17,9 @@ Where compilation stops, and why:
   AOTAutograd backward; all blocks share one compiled graph), the embedding
   lookup, and the head with the loss — ``cross_entropy(lm_head(norm(x)), y)``
   in ONE graph, so our fused LM-head + cross-entropy pass still applies.
-  ``ShardedLoss.forward`` therefore spells out the model's forward
-  (embedding, blocks, norm, head): the structure REFERENCE.md §2 fixes.
+  These are ``regional.BlockwiseLoss``'s pieces, which spell out the
+  model's forward (embedding, blocks, norm, head): the structure
+  REFERENCE.md §2 fixes.
 - The optimizer runs on the local shards. Dynamo cannot trace ``p.data -= …``
   on a DTensor (``set_`` fails under fake tensors, before any pass of ours
   runs), and on plain tensors our AdamW pass and kernel see the update.
@@ -44,7 +45,8 @@ from torch.distributed.tensor import DTensor
 
 from compile_stack.capture import PassBackend
 from compile_stack.inspection import InspectionWriter
-from compile_stack.reference import Transformer, cross_entropy
+from compile_stack.reference import Transformer
+from compile_stack.regional import BlockwiseLoss
 from compile_stack.step import StepOptions, step_context
 from custom_ops.checks import require
 
@@ -82,40 +84,7 @@ def shard_batch(tensor: torch.Tensor, rank: int, world: int) -> torch.Tensor:
     return tensor[rank * share:(rank + 1) * share]
 
 
-class ShardedLoss(nn.Module):
-    """``cross_entropy(model(inputs), targets).sum()`` of a FSDP2-sharded model.
-
-    The root FSDP module. ``compile_pieces`` swaps in compiled pieces; the FSDP2 hooks
-    that run around them (this module's and each block's) stay eager.
-    """
-
-    def __init__(self, model: Transformer):
-        super().__init__()
-        self.model = model
-        self.embed = self._embed
-        self.head_loss = self._head_loss
-
-    def _embed(self, inputs):
-        return self.model.embedding[inputs]
-
-    def _head_loss(self, x, targets):
-        return cross_entropy(self.model.lm_head(self.model.norm(x)), targets).sum()
-
-    def compile_pieces(self, backend) -> None:
-        """Compile the embedding, each block's forward and the head + loss with ``backend``."""
-        self.embed = torch.compile(self._embed, backend=backend, fullgraph=True)
-        self.head_loss = torch.compile(self._head_loss, backend=backend, fullgraph=True)
-        for block in self.model.blocks:
-            block.forward = torch.compile(block.forward, backend=backend, fullgraph=True)
-
-    def forward(self, inputs, targets):
-        x = self.embed(inputs)
-        for block in self.model.blocks:
-            x = block(x)
-        return self.head_loss(x, targets)
-
-
-def shard_model(model: Transformer, reshard_after_forward: bool = True) -> ShardedLoss:
+def shard_model(model: Transformer, reshard_after_forward: bool = True) -> BlockwiseLoss:
     """Shard ``model`` in place with FSDP2 (a group per block, then the root); return the root.
 
     Every rank must pass the same weights; rank 0's are broadcast to make sure.
@@ -133,7 +102,7 @@ def shard_model(model: Transformer, reshard_after_forward: bool = True) -> Shard
     for prev, nxt in zip(blocks, blocks[1:]):
         prev.set_modules_to_forward_prefetch([nxt])
         nxt.set_modules_to_backward_prefetch([prev])
-    return fully_shard(ShardedLoss(model), reshard_after_forward=reshard_after_forward)
+    return fully_shard(BlockwiseLoss(model), reshard_after_forward=reshard_after_forward)
 
 
 class LocalShards:
@@ -218,8 +187,8 @@ class DistributedTrainStep:
 def gather_full_params(step_or_model) -> dict[str, torch.Tensor]:
     """Full parameters by the unsharded model's names (a collective: call on every rank)."""
     root = step_or_model.sharded if isinstance(step_or_model, DistributedTrainStep) else step_or_model
-    require(isinstance(root, ShardedLoss) and isinstance(root, FSDPModule), "step_or_model",
-            "a DistributedTrainStep or the ShardedLoss shard_model returned", type(root).__name__)
+    require(isinstance(root, BlockwiseLoss) and isinstance(root, FSDPModule), "step_or_model",
+            "a DistributedTrainStep or the BlockwiseLoss shard_model returned", type(root).__name__)
     with torch.no_grad():
         return {name: (p.full_tensor() if isinstance(p, DTensor) else p).detach().clone()
                 for name, p in root.model.named_parameters()}

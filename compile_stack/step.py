@@ -9,7 +9,9 @@ The harness semantics exactly (REFERENCE.md §1)::
 
 Compiled, every tensor op of it runs in code Inductor generated: forward and
 loss as one Dynamo graph whose backward AOTAutograd derives (so ``backward()``
-runs compiled code), and ``optimizer.step`` compiled as its own graph. We
+runs compiled code) — or, with ``regional``, as three graphs whose block graph
+all blocks share (``regional.py``) — and ``optimizer.step`` compiled as its
+own graph. We
 compile the optimizer's own ``step`` rather than rewrite it as a functional
 update, so the user's optimizer code is what runs: our ``param_data`` pass
 makes its ``p.data -= …`` compilable, and parameters and states are updated
@@ -25,6 +27,7 @@ import torch
 from compile_stack.capture import PassBackend
 from compile_stack.inspection import InspectionWriter
 from compile_stack.reference import cross_entropy
+from compile_stack.regional import BlockwiseLoss
 
 
 @dataclasses.dataclass
@@ -34,6 +37,7 @@ class StepOptions:
     inspect_dir: Path | None = None
     memory_budget: float | None = None
     codegen: bool = True  # False: run our passes' aten graphs as they are (tests, debugging)
+    regional: bool = False  # compile embedding / one block / head+loss apart (regional.py)
 
 
 class TrainStep:
@@ -53,7 +57,11 @@ class TrainStep:
                 return PassBackend(options.passes, writer, options.memory_budget, name=name, codegen=options.codegen)
 
             self.backend = backend("model")
-            self.loss_fn = torch.compile(self._loss, backend=self.backend, fullgraph=True)
+            if options.regional:
+                self.loss_fn = BlockwiseLoss(model)
+                self.loss_fn.compile_pieces(self.backend)
+            else:
+                self.loss_fn = torch.compile(self._loss, backend=self.backend, fullgraph=True)
             self.optimizer_step = torch.compile(optimizer.step, backend=backend("optimizer"), fullgraph=True)
 
     def _loss(self, inputs, targets):

@@ -111,3 +111,34 @@ def test_bad_options_are_refused(argv, message, capsys):
 def test_help_runs_as_a_script():
     result = subprocess.run([sys.executable, "run_step.py", "--help"], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert result.returncode == 0 and "--compile" in result.stdout and "--inspect" in result.stdout
+
+
+def test_regional_compile_shares_one_block_graph_and_matches(tmp_path):
+    """--regional: three model graphs whatever the depth, same loss and gradients as the whole graph."""
+    import torch
+
+    from compile_stack.config import PRESETS
+    from compile_stack.reference import AdamW, build_model
+    from compile_stack.step import StepOptions, TrainStep
+    from passes import registry
+
+    cfg = PRESETS["tiny"].with_overrides(layers=3)
+    results = {}
+    for regional in (False, True):
+        torch._dynamo.reset()
+        registry.REPORT.clear()
+        torch.manual_seed(0)
+        model = build_model(cfg, "cpu", torch.float32)
+        ids = torch.randint(cfg.vocab, (cfg.batch, cfg.seq))
+        step = TrainStep(model, AdamW(model.parameters()), StepOptions(compile=True, codegen=False, regional=regional))
+        loss = step(ids, ids).item()
+        results[regional] = (loss, [p.detach().clone() for p in model.parameters()], step.backend.graphs,
+                             dict(registry.REPORT.replacements))
+    (loss_whole, params_whole, graphs_whole, report_whole), (loss_reg, params_reg, graphs_reg, report_reg) = (
+        results[False], results[True])
+    assert graphs_whole == 1 and graphs_reg == 3  # embedding, the shared block, head + loss
+    assert report_whole["attention"] == cfg.layers and report_reg["attention"] == 1
+    assert report_reg["cross_entropy"] == 1 and report_reg["adamw"] == 1
+    assert loss_reg == pytest.approx(loss_whole, rel=1e-6)
+    for a, b in zip(params_reg, params_whole):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
