@@ -11,11 +11,10 @@ Compiled, every tensor op of it runs in code Inductor generated: forward and
 loss as one Dynamo graph whose backward AOTAutograd derives (so ``backward()``
 runs compiled code) — or, with ``regional``, as three graphs whose block graph
 all blocks share (``regional.py``) — and ``optimizer.step`` compiled as its
-own graph. We
-compile the optimizer's own ``step`` rather than rewrite it as a functional
-update, so the user's optimizer code is what runs: our ``param_data`` pass
-makes its ``p.data -= …`` compilable, and parameters and states are updated
-in place, so references the user holds see the new values.
+own graph. We compile the optimizer's own ``step`` rather than rewrite it as a
+functional update, so the user's optimizer code is what runs: our
+``param_data`` pass makes its ``p.data -= …`` compilable, and parameters and
+states are updated in place, so references the user holds see the new values.
 """
 import contextlib
 import dataclasses
@@ -33,7 +32,7 @@ from compile_stack.regional import BlockwiseLoss
 @dataclasses.dataclass
 class StepOptions:
     compile: bool = False
-    passes: list[str] | None = None  # None: all registered passes
+    passes: list[str] | None = None  # None: the project's pass pipeline
     inspect_dir: Path | None = None
     memory_budget: float | None = None
     codegen: bool = True  # False: run our passes' aten graphs as they are (tests, debugging)

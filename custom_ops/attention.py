@@ -121,7 +121,7 @@ def _fwd_inner(acc, l_i, m_i, q, k_base, v_base, sks, svs, rows, offs_n, offs_d,
 
 
 @triton.jit
-def _fwd_kernel(Q, K, V, O, LSE, qk_scale, H, SQ, SK,
+def _attn_fwd_kernel(Q, K, V, O, LSE, qk_scale, H, SQ, SK,
                 sqz, sqh, sqs, skz, skh, sks, svz, svh, svs, soz, soh, sos,
                 IS_CAUSAL: tl.constexpr, HEAD_D: tl.constexpr, BLOCK_M: tl.constexpr,
                 BLOCK_N: tl.constexpr, PREC: tl.constexpr, WS: tl.constexpr):
@@ -161,7 +161,7 @@ def _fwd_kernel(Q, K, V, O, LSE, qk_scale, H, SQ, SK,
 
 
 @triton.jit
-def _bwd_delta_kernel(O, DO, DELTA, H, SQ, soz, soh, sos, sdz, sdh, sds,
+def _attn_bwd_delta_kernel(O, DO, DELTA, H, SQ, soz, soh, sos, sdz, sdh, sds,
                       HEAD_D: tl.constexpr, BLOCK_M: tl.constexpr):
     """delta = rowsum(dO * O), the softmax-backward correction, once per query row."""
     zh = tl.program_id(0)
@@ -199,7 +199,7 @@ def _dkdv_inner(dk, dv, k, v, q_base, do_base, lse_base, delta_base, sqs, sds, c
 
 
 @triton.jit
-def _bwd_dkdv_kernel(Q, K, V, DO, DK, DV, LSE, DELTA, qk_scale, scale, H, SQ, SK,
+def _attn_bwd_dkdv_kernel(Q, K, V, DO, DK, DV, LSE, DELTA, qk_scale, scale, H, SQ, SK,
                      sqz, sqh, sqs, skz, skh, sks, svz, svh, svs, sdz, sdh, sds,
                      sdkz, sdkh, sdks, sdvz, sdvh, sdvs,
                      IS_CAUSAL: tl.constexpr, HEAD_D: tl.constexpr, BLOCK_M: tl.constexpr,
@@ -265,7 +265,7 @@ def _dq_inner(dq, q, do, lse2, delta, k_base, v_base, sks, svs, rows, offs_n, of
 
 
 @triton.jit
-def _bwd_dq_kernel(Q, K, V, DO, DQ, LSE, DELTA, qk_scale, scale, H, SQ, SK,
+def _attn_bwd_dq_kernel(Q, K, V, DO, DQ, LSE, DELTA, qk_scale, scale, H, SQ, SK,
                    sqz, sqh, sqs, skz, skh, sks, svz, svh, svs, sdz, sdh, sds, sdqz, sdqh, sdqs,
                    IS_CAUSAL: tl.constexpr, HEAD_D: tl.constexpr, BLOCK_M: tl.constexpr,
                    BLOCK_N: tl.constexpr, PREC: tl.constexpr):
@@ -327,7 +327,7 @@ def triton_fwd(q, k, v, is_causal: bool, scale: float, config: AttnConfig | None
     out = torch.empty((Z, H, SQ, D), dtype=q.dtype, device=q.device)
     lse = torch.empty((Z, H, SQ), dtype=torch.float32, device=q.device)
     grid = (Z * H, triton.cdiv(SQ, t.block_m))
-    _fwd_kernel[grid](
+    _attn_fwd_kernel[grid](
         q4, k4, v4, out, lse, scale * LOG2E, H, SQ, SK,
         *_strides(q4), *_strides(k4), *_strides(v4), *_strides(out),
         IS_CAUSAL=is_causal, HEAD_D=D, BLOCK_M=t.block_m, BLOCK_N=t.block_n, PREC=_precision(q.dtype), WS=t.warp_specialize,
@@ -349,18 +349,18 @@ def triton_bwd(dout, q, k, v, out, lse, is_causal: bool, scale: float, config: A
     dv = torch.empty((Z, H, SK, D), dtype=v.dtype, device=q.device)
     prec = _precision(q.dtype)
 
-    _bwd_delta_kernel[(Z * H, triton.cdiv(SQ, DELTA_BLOCK_M))](
+    _attn_bwd_delta_kernel[(Z * H, triton.cdiv(SQ, DELTA_BLOCK_M))](
         o4, do4, delta, H, SQ, *_strides(o4), *_strides(do4), HEAD_D=D, BLOCK_M=DELTA_BLOCK_M,
     )
     t = cfg.dkdv
-    _bwd_dkdv_kernel[(Z * H, triton.cdiv(SK, t.block_n))](
+    _attn_bwd_dkdv_kernel[(Z * H, triton.cdiv(SK, t.block_n))](
         q4, k4, v4, do4, dk, dv, lse, delta, scale * LOG2E, scale, H, SQ, SK,
         *_strides(q4), *_strides(k4), *_strides(v4), *_strides(do4), *_strides(dk), *_strides(dv),
         IS_CAUSAL=is_causal, HEAD_D=D, BLOCK_M=t.block_m, BLOCK_N=t.block_n, PREC=prec,
         num_warps=t.num_warps, num_stages=t.num_stages,
     )
     t = cfg.dq
-    _bwd_dq_kernel[(Z * H, triton.cdiv(SQ, t.block_m))](
+    _attn_bwd_dq_kernel[(Z * H, triton.cdiv(SQ, t.block_m))](
         q4, k4, v4, do4, dq, lse, delta, scale * LOG2E, scale, H, SQ, SK,
         *_strides(q4), *_strides(k4), *_strides(v4), *_strides(do4), *_strides(dq),
         IS_CAUSAL=is_causal, HEAD_D=D, BLOCK_M=t.block_m, BLOCK_N=t.block_n, PREC=prec,
