@@ -92,19 +92,35 @@ def pick_config(head_dim: int, dtype: torch.dtype) -> AttnConfig:
 
 
 @triton.jit
+def _load_kv_tile(k_base, v_base, sks, svs, cols, offs_d, SK, MASK: tl.constexpr):
+    """The K and V rows `cols` of one head; bounds-checked unless MASK == 0 (tile inside SK)."""
+    k_ptrs = k_base + cols[:, None] * sks + offs_d[None, :]
+    v_ptrs = v_base + cols[:, None] * svs + offs_d[None, :]
+    if MASK == 0:
+        k = tl.load(k_ptrs)
+        v = tl.load(v_ptrs)
+    else:
+        k = tl.load(k_ptrs, mask=cols[:, None] < SK, other=0.0)
+        v = tl.load(v_ptrs, mask=cols[:, None] < SK, other=0.0)
+    return k, v
+
+
+@triton.jit
+def _query_tile(H, BLOCK_M: tl.constexpr):
+    """This program's (batch·head, batch, head, first query row). Axis 0 is (batch, head) and
+    axis 1 runs the query tiles last first, so every head's largest causal tile starts first."""
+    zh = tl.program_id(0)
+    start_m = (tl.num_programs(1) - 1 - tl.program_id(1)) * BLOCK_M
+    return zh, (zh // H).to(tl.int64), (zh % H).to(tl.int64), start_m
+
+
+@triton.jit
 def _fwd_inner(acc, l_i, m_i, q, k_base, v_base, sks, svs, rows, offs_n, offs_d, lo, hi, SK, qk_scale,
                BLOCK_N: tl.constexpr, MASK: tl.constexpr, PREC: tl.constexpr, WS: tl.constexpr):
     """Online softmax over key tiles [lo, hi). MASK: 0 none, 1 causal diagonal, 2 key bound."""
     for start_n in tl.range(lo, hi, BLOCK_N, warp_specialize=WS):
         cols = start_n + offs_n
-        k_ptrs = k_base + cols[:, None] * sks + offs_d[None, :]
-        v_ptrs = v_base + cols[:, None] * svs + offs_d[None, :]
-        if MASK == 0:
-            k = tl.load(k_ptrs)
-            v = tl.load(v_ptrs)
-        else:
-            k = tl.load(k_ptrs, mask=cols[:, None] < SK, other=0.0)
-            v = tl.load(v_ptrs, mask=cols[:, None] < SK, other=0.0)
+        k, v = _load_kv_tile(k_base, v_base, sks, svs, cols, offs_d, SK, MASK)
         s = tl.dot(q, tl.trans(k), input_precision=PREC)
         if MASK == 1:
             s = tl.where(rows[:, None] >= cols[None, :], s, float("-inf"))
@@ -125,11 +141,7 @@ def _attn_fwd_kernel(Q, K, V, O, LSE, qk_scale, H, SQ, SK,
                 sqz, sqh, sqs, skz, skh, sks, svz, svh, svs, soz, soh, sos,
                 IS_CAUSAL: tl.constexpr, HEAD_D: tl.constexpr, BLOCK_M: tl.constexpr,
                 BLOCK_N: tl.constexpr, PREC: tl.constexpr, WS: tl.constexpr):
-    # Axis 0 is (batch, head) so every head's last (largest causal) query tile starts first.
-    zh = tl.program_id(0)
-    start_m = (tl.num_programs(1) - 1 - tl.program_id(1)) * BLOCK_M
-    z = (zh // H).to(tl.int64)
-    h = (zh % H).to(tl.int64)
+    zh, z, h, start_m = _query_tile(H, BLOCK_M)
     rows = start_m + tl.arange(0, BLOCK_M)
     offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, HEAD_D)
@@ -245,14 +257,7 @@ def _dq_inner(dq, q, do, lse2, delta, k_base, v_base, sks, svs, rows, offs_n, of
     """Accumulate dQ of one query tile over key tiles [lo, hi). MASK as in _fwd_inner."""
     for start_n in range(lo, hi, BLOCK_N):
         cols = start_n + offs_n
-        k_ptrs = k_base + cols[:, None] * sks + offs_d[None, :]
-        v_ptrs = v_base + cols[:, None] * svs + offs_d[None, :]
-        if MASK == 0:
-            k = tl.load(k_ptrs)
-            v = tl.load(v_ptrs)
-        else:
-            k = tl.load(k_ptrs, mask=cols[:, None] < SK, other=0.0)
-            v = tl.load(v_ptrs, mask=cols[:, None] < SK, other=0.0)
+        k, v = _load_kv_tile(k_base, v_base, sks, svs, cols, offs_d, SK, MASK)
         p = tl.math.exp2(tl.dot(q, tl.trans(k), input_precision=PREC) * qk_scale - lse2[:, None])
         if MASK == 1:
             p = tl.where(rows[:, None] >= cols[None, :], p, 0.0)
@@ -269,10 +274,7 @@ def _attn_bwd_dq_kernel(Q, K, V, DO, DQ, LSE, DELTA, qk_scale, scale, H, SQ, SK,
                    sqz, sqh, sqs, skz, skh, sks, svz, svh, svs, sdz, sdh, sds, sdqz, sdqh, sdqs,
                    IS_CAUSAL: tl.constexpr, HEAD_D: tl.constexpr, BLOCK_M: tl.constexpr,
                    BLOCK_N: tl.constexpr, PREC: tl.constexpr):
-    zh = tl.program_id(0)
-    start_m = (tl.num_programs(1) - 1 - tl.program_id(1)) * BLOCK_M
-    z = (zh // H).to(tl.int64)
-    h = (zh % H).to(tl.int64)
+    zh, z, h, start_m = _query_tile(H, BLOCK_M)
     rows = start_m + tl.arange(0, BLOCK_M)
     offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, HEAD_D)
