@@ -183,3 +183,23 @@ def test_two_gpus_bf16_matches_single_process_and_overlaps(tmp_path):
     overlap = run["dist"]["bf16_compiled"]["overlap"]
     assert overlap["comm_ms"] > 0 and overlap["compute_ms"] > 0
     assert 0 <= overlap["hidden_fraction"] <= 1
+
+
+@pytest.mark.slow
+def test_torchrun_run_step_two_processes(tmp_path):
+    """The README's command: `torchrun --nproc-per-node 2 run_step.py --compile` (gloo, tiny)."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parent.parent
+    out = tmp_path / "out.json"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "run_step.py", "--compile",
+           "--steps", "1", "--warmup", "0", "--cache-dir", str(tmp_path / "cache"), "--json", str(out)]
+    result = subprocess.run(cmd, cwd=root, capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    summary = json.loads(out.read_text())
+    assert summary["world_size"] == 2 and len(summary["step_ms_per_rank"]) == 2
+    assert summary["passes"]["attention"] == 1 and summary["passes"]["cross_entropy"] == 1
+    assert summary["passes"]["adamw"] == 1
