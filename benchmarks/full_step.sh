@@ -1,0 +1,17 @@
+#!/usr/bin/env bash
+# Issue 6's measurement on one H200, in one device call: the full preset from empty caches
+# (compile + 3 warm-up + 10 timed steps, next to the stock step in the same process), then
+# again with warm caches. Figures and logs go to $OUT (or ./out).
+#   bash benchmarks/full_step.sh [extra run_step.py options, e.g. --regional]
+set -euo pipefail
+cd "$(dirname "$0")/.."
+out=${OUT:-out}
+mkdir -p "$out"
+export PYTHONUNBUFFERED=1 PYTHONPATH=.
+cache=/tmp/compile_stack_full
+start=$(date +%s)
+python3 run_step.py --compile --preset full --fresh-cache --cache-dir "$cache" --compare stock \
+    --json "$out/full_cold.json" "$@" 2>&1 | tee "$out/full_cold.log"
+echo "cold run, all phases: $(( $(date +%s) - start )) s" | tee -a "$out/full_cold.log"
+python3 run_step.py --compile --preset full --cache-dir "$cache" --steps 3 --warmup 1 \
+    --json "$out/full_warm.json" "$@" 2>&1 | tee "$out/full_warm.log"
