@@ -3,6 +3,8 @@
 # (compile + 3 warm-up + 10 timed steps, next to the stock step in the same process), then
 # again with warm caches. Figures and logs go to $OUT (or ./out).
 #   bash benchmarks/full_step.sh [extra run_step.py options, e.g. --regional]
+# The stock step adds ~3 minutes (13 steps of ~11 s plus its compile): under a 10-minute device
+# call, pass e.g. `--steps 5 --warmup 1` if our compile turns out long.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 out=${OUT:-out}
