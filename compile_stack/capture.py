@@ -80,7 +80,7 @@ class PassBackend:
 
     def _compile_without_codegen(self, gm, example_inputs):
         observer = self.writer.observer() if self.writer else None
-        stage = {s: registry.StagePass(s, [p for p in self.pass_list if p.stage == s], observer) for s in registry.STAGES}
+        stage = registry.stage_passes(self.pass_list, observer)
         stage["pre_grad"](gm.graph)
         gm.recompile()
 
@@ -106,7 +106,7 @@ class PassBackend:
         )(gm, example_inputs)
 
     def _report_key(self, gm: torch.fx.GraphModule) -> Path:
-        stages = [registry.StagePass(s, [p for p in self.pass_list if p.stage == s]).uuid() for s in registry.STAGES]
+        stages = [sp.uuid() for sp in registry.stage_passes(self.pass_list).values()]
         digest = hashlib.sha256(gm.code.encode() + b"".join(stages)).hexdigest()[:32]
         return settings.default_cache_dir() / "pass_reports" / f"{digest}.json"
 

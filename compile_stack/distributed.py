@@ -43,11 +43,9 @@ import torch.nn as nn
 from torch.distributed.fsdp import FSDPModule, fully_shard
 from torch.distributed.tensor import DTensor
 
-from compile_stack.capture import PassBackend
-from compile_stack.inspection import InspectionWriter
 from compile_stack.reference import Transformer
 from compile_stack.regional import BlockwiseLoss
-from compile_stack.step import StepOptions, step_context
+from compile_stack.step import StepOptions, compile_backends, step_context
 from custom_ops.checks import require
 
 ENV_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
@@ -151,13 +149,7 @@ class DistributedTrainStep:
         self.backend = None
         self.optimizer_backend = None
         if options.compile:
-            writer = InspectionWriter(options.inspect_dir) if options.inspect_dir and dist.get_rank() == 0 else None
-
-            def backend(name):
-                return PassBackend(options.passes, writer, options.memory_budget, name=name, codegen=options.codegen)
-
-            self.backend = backend("model")
-            self.optimizer_backend = backend("optimizer")
+            self.backend, self.optimizer_backend = compile_backends(options, inspect=dist.get_rank() == 0)
             self.sharded.compile_pieces(self.backend)
 
     def _build_optimizer(self) -> None:

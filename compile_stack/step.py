@@ -39,6 +39,15 @@ class StepOptions:
     regional: bool = False  # compile embedding / one block / head+loss apart (regional.py)
 
 
+def compile_backends(options: StepOptions, inspect: bool = True) -> tuple[PassBackend, PassBackend]:
+    """The model's and the optimizer's backends, writing to one inspection directory (if any)."""
+    writer = InspectionWriter(options.inspect_dir) if options.inspect_dir and inspect else None
+    return tuple(
+        PassBackend(options.passes, writer, options.memory_budget, name=name, codegen=options.codegen)
+        for name in ("model", "optimizer")
+    )
+
+
 class TrainStep:
     """Callable ``step(inputs, targets) -> loss`` (the loss tensor, not synced)."""
 
@@ -50,18 +59,13 @@ class TrainStep:
         self.optimizer_step: Callable = optimizer.step
         self.backend = None
         if options.compile:
-            writer = InspectionWriter(options.inspect_dir) if options.inspect_dir else None
-
-            def backend(name):
-                return PassBackend(options.passes, writer, options.memory_budget, name=name, codegen=options.codegen)
-
-            self.backend = backend("model")
+            self.backend, optimizer_backend = compile_backends(options)
             if options.regional:
                 self.loss_fn = BlockwiseLoss(model)
                 self.loss_fn.compile_pieces(self.backend)
             else:
                 self.loss_fn = torch.compile(self._loss, backend=self.backend, fullgraph=True)
-            self.optimizer_step = torch.compile(optimizer.step, backend=backend("optimizer"), fullgraph=True)
+            self.optimizer_step = torch.compile(optimizer.step, backend=optimizer_backend, fullgraph=True)
 
     def _loss(self, inputs, targets):
         return cross_entropy(self.model(inputs), targets).sum()

@@ -149,15 +149,16 @@ class StagePass(CustomGraphPass):
         return get_hash_for_files(files, extra=self.stage + ":" + ",".join(p.name for p in self.passes))
 
 
+def stage_passes(passes: list[RegisteredPass], observer=None) -> dict[str, StagePass]:
+    """One StagePass per stage (empty where no pass has that stage)."""
+    return {stage: StagePass(stage, [p for p in passes if p.stage == stage], observer) for stage in STAGES}
+
+
 @contextlib.contextmanager
 def installed(names: Iterable[str] | None = None, observer=None) -> Iterator[list[RegisteredPass]]:
     """Install the named passes (default: all) into Inductor's hooks for the duration."""
     passes = resolve(names)
-    patch = {
-        _HOOKS[stage]: StagePass(stage, [p for p in passes if p.stage == stage], observer)
-        for stage in STAGES
-        if any(p.stage == stage for p in passes)
-    }
+    patch = {_HOOKS[stage]: sp for stage, sp in stage_passes(passes, observer).items() if sp.passes}
     with torch._inductor.config.patch(patch):
         yield passes
 
