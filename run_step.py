@@ -9,6 +9,7 @@ the loss and what each of our passes replaced. See --help for the options.
 """
 import argparse
 import copy
+import gc
 import json
 import os
 import platform
@@ -24,6 +25,9 @@ from compile_stack.config import H200_PEAK_BF16_FLOPS, PRESET_ORDER, PRESETS, Mo
 from compile_stack.reference import AdamW, build_model
 from compile_stack.step import StepOptions, TrainStep
 from passes import registry
+
+# Read at CUDA's first allocation: a step that plans to fill ~120 GiB cannot afford fragmentation.
+os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
 
 OVERRIDES = ("layers", "seq", "batch", "d_model", "heads", "d_ff", "vocab")
 
@@ -43,9 +47,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--dtype", choices=("bfloat16", "float32"), default="bfloat16", help="model dtype")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--passes", help="comma-separated passes to run (default: all registered)")
-    p.add_argument("--regional", action="store_true",
-                   help="compile the embedding, one block (shared by all blocks) and the head+loss as separate "
-                        "graphs: compile time stops growing with the layer count")
+    p.add_argument("--whole-graph", action="store_true",
+                   help="compile forward+loss as one graph with every block inlined (compile time grows with "
+                        "depth) instead of the embedding, one block's graph shared by all blocks, and head+loss")
     p.add_argument("--memory-budget", type=float,
                    help="activation memory budget in [0, 1] for the partitioner: lower saves less and recomputes "
                         "more (default: the largest the memory estimate allows)")
@@ -204,10 +208,12 @@ def run(args) -> dict:
     log("building the model...")
     torch.manual_seed(args.seed)
     model = build_model(cfg, device, dtype)
+    if device.type == "cuda":
+        torch.cuda.empty_cache()  # the fp32 initialization's blocks
     generator = torch.Generator(device="cpu").manual_seed(args.seed + 1)
     batch = tuple(torch.randint(cfg.vocab, (cfg.batch, cfg.seq), generator=generator).to(device) for _ in range(2))
     options = StepOptions(compile=args.compile, passes=passes, inspect_dir=args.inspect, memory_budget=budget,
-                          regional=args.regional)
+                          regional=not args.whole_graph)
     reference_model = copy.deepcopy(model) if args.check else None
     if world > 1:
         step = FirstCallTimer(distributed.DistributedTrainStep(model, AdamW, options))
@@ -248,7 +254,8 @@ def run(args) -> dict:
         log(format_breakdown(summary["profile"]))
 
     if args.compare == "stock":
-        summary["compare"] = compare_stock(args, cfg, device, dtype, batch, summary, model, step)
+        del step, model  # the stock step needs the memory back
+        summary["compare"] = compare_stock(args, cfg, device, dtype, batch, summary)
     return summary
 
 
@@ -261,14 +268,16 @@ def _raise_on_bad_targets() -> None:
     check_targets_flag()
 
 
-def compare_stock(args, cfg, device, dtype, batch, ours: dict, model, step) -> dict:
-    """Free our step, build the stock one on fresh weights, and time it the same way."""
+def compare_stock(args, cfg, device, dtype, batch, ours: dict) -> dict:
+    """Build the stock step on fresh weights, once ours is freed, and time it the same way."""
     from compile_stack.stock import StockStep
 
-    del step, model
+    torch._dynamo.reset()  # compiled code and its guards may still refer to our model
+    gc.collect()  # the compiled pieces and their modules refer to each other
     if device.type == "cuda":
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(device)
+        log(f"[stock] memory still allocated after freeing ours: {torch.cuda.memory_allocated(device) / memory.GIB:.2f} GiB")
     log("[stock] building the stock step (torch.compile per block, SDPA, checkpointing, fused AdamW)...")
     torch.manual_seed(args.seed)
     stock = measure(FirstCallTimer(StockStep(build_model(cfg, device, dtype))), batch, args, device, cfg, "stock")

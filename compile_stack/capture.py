@@ -73,7 +73,10 @@ class PassBackend:
         runs_before, counts_before = Counter(report.runs), Counter(report.replacements)
         if self.writer:
             self.writer.begin_graph(graph_name, gm)
-        with self.active():
+        # Inspecting: compile the backward now rather than at the first backward(), so
+        # its code is filed under this graph (regional steps compile all forwards first).
+        backward_now = torch._functorch.config.patch(force_non_lazy_backward_lowering=self.writer is not None)
+        with self.active(), backward_now:
             compiled = compile_fx(gm, example_inputs) if self.codegen else self._compile_without_codegen(gm, example_inputs)
         self._settle_report(gm, runs_before, counts_before)
         return compiled

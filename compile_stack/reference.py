@@ -170,5 +170,7 @@ class AdamW:
 
 
 def build_model(cfg: ModelConfig, device, dtype=torch.bfloat16) -> Transformer:
-    """The reference model in its training dtype (bf16 by default), on ``device``."""
-    return Transformer(cfg).to(device=device, dtype=dtype)
+    """The reference model in its training dtype (bf16 by default), initialized on ``device``
+    (an 8B model's fp32 initialization on the host alone takes minutes)."""
+    with torch.device(device):
+        return Transformer(cfg).to(dtype=dtype)

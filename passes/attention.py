@@ -36,7 +36,7 @@ from torch.fx.operator_schemas import normalize_function
 
 import custom_ops.attention  # noqa: F401  (registers torch.ops.cstack.flash_attention_*)
 from custom_ops.attention import HEAD_DIMS
-from passes.registry import note, register_pass
+from passes.registry import note, register_pass, save_for_backward
 
 aten, prims = torch.ops.aten, torch.ops.prims
 NAME = "attention"
@@ -471,6 +471,7 @@ def _flash(graph, q, k, v, causal, scale, grad, where_fwd, where_bwd):
     with graph.inserting_before(where_fwd):
         fwd = _call(graph, torch.ops.cstack.flash_attention_fwd.default, (q, k, v, causal, scale))
         out, lse = (_call(graph, operator.getitem, (fwd, i)) for i in (0, 1))
+    save_for_backward(fwd, out, lse)
     if grad is None:
         return out, None
     with graph.inserting_before(where_bwd):

@@ -46,7 +46,7 @@ from torch._inductor.fx_passes.post_grad import remove_noop_ops
 from torch._inductor.pattern_matcher import gen_pattern, joint_fwd_bwd, stable_topological_sort
 
 import custom_ops.linear_cross_entropy  # noqa: F401  (registers torch.ops.cstack.linear_cross_entropy_fwd)
-from passes.registry import note, register_pass
+from passes.registry import note, register_pass, save_for_backward
 
 aten = torch.ops.aten
 prims = torch.ops.prims
@@ -415,6 +415,7 @@ def _rewrite(graph, emit, c):
         out = emit(torch.ops.cstack.linear_cross_entropy_fwd.default, hidden, weight, c["targets"],
                    c["ignore_index"], c["reduction"])
         loss, grad_hidden, grad_weight = (emit(operator.getitem, out, i) for i in range(3))
+        save_for_backward(out, loss, grad_hidden, grad_weight)
         if _val(loss).dtype != _val(c["loss"]).dtype:
             loss = emit(prims.convert_element_type.default, loss, _val(c["loss"]).dtype)
     c["loss"].replace_all_uses_with(loss)

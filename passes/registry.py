@@ -23,6 +23,7 @@ from collections.abc import Callable, Iterable, Iterator
 
 import torch
 from torch._inductor.custom_graph_pass import CustomGraphPass, get_hash_for_files
+from torch.utils.checkpoint import CheckpointPolicy
 
 STAGES = ("pre_grad", "joint", "post_grad")
 # Inductor config hook per stage.
@@ -97,6 +98,18 @@ def note(pass_name: str, message: str) -> None:
     entry = f"{pass_name}: {message}"
     if entry not in REPORT.notes:
         REPORT.notes.append(entry)
+
+
+def save_for_backward(*nodes: torch.fx.Node) -> None:
+    """Make AOTAutograd's partitioner save these joint-graph values, never recompute them.
+
+    Our ops' outputs (attention's output and log-sum-exp, the fused
+    cross-entropy's gradients) cost a whole kernel to recompute and little
+    memory to keep; under an activation memory budget the partitioner would
+    otherwise trade them away first. Mark the op and its outputs.
+    """
+    for node in nodes:
+        node.meta["recompute"] = CheckpointPolicy.MUST_SAVE
 
 
 def load_all() -> dict[str, RegisteredPass]:
