@@ -182,9 +182,9 @@ def run(args) -> dict:
     if device.type == "cuda" and not torch.cuda.is_available():
         raise SystemExit("--device: expected cpu on this machine (no CUDA GPU is available), got cuda")
     device_bytes = memory.device_bytes(device)
+    dtype = getattr(torch, args.dtype)
     preset, cfg, why = choose_config(args, device, device_bytes, world)
     budget = choose_budget(args, cfg, device, device_bytes, world)
-    dtype = getattr(torch, args.dtype)
     device_name = torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "cpu"
     log(f"device: {device} ({device_name}); torch {torch.__version__}")
     log(f"preset: {preset} ({why}); config: {cfg}")
@@ -196,6 +196,14 @@ def run(args) -> dict:
             f"({'compiled' if args.compile else 'eager'}, budget {budget}) with {device_bytes / memory.GIB:.1f} GiB "
             f"on {device}. "
             "Use a smaller preset or overrides, --compile, a lower --memory-budget, or --force to try anyway."
+        )
+    # --check keeps a second model and its optimizer state, and runs it eagerly.
+    eager_estimate = memory.estimate_peak_bytes(cfg, False) + 4 * cfg.params * dtype.itemsize
+    if args.check and eager_estimate > memory.USABLE_FRACTION * device_bytes and not args.force:
+        raise SystemExit(
+            f"--check: the eager reference step it runs next to ours does not fit: estimated peak "
+            f"{eager_estimate / memory.GIB:.1f} GiB with {device_bytes / memory.GIB:.1f} GiB on {device}. "
+            "Check a smaller config (e.g. --preset small --seq 2048), or --force to try anyway."
         )
 
     settings.use_cache_dir(args.cache_dir, fresh=args.fresh_cache and rank == 0)

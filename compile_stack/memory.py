@@ -4,10 +4,11 @@ The estimate is deliberately simple and errs high; it is a guard, not a plan.
 
 - State: parameters, gradients and the two AdamW moments, all in the model
   dtype (REFERENCE.md §2): 4 × params × bytes.
-- Eager (the reference as written): per layer, autograd keeps the S×S scores
-  several times over (scores, mask result, exp, weights: 4 tensors of
-  B·H·S² elements) plus the token activations below; the loss keeps the full
-  logits three times (logits, shifted, log-probs).
+- Eager (the reference as written): per layer, autograd keeps two B·H·S²
+  tensors (the exponentials and the normalized weights) and the S×S mask,
+  plus the token activations below; the last layer's forward has three more
+  alive at once (scores, masked, shifted); the loss keeps the full logits
+  three times (logits, shifted, log-probs).
 - Compiled with our ops: no S×S and no T×V tensor. Per layer and token the
   step saves between a floor (the block input, the residual after attention,
   and the attention output and its log-sum-exp, which our passes mark
@@ -52,9 +53,9 @@ def estimate_peak_bytes(
     tokens = cfg.tokens / world
     everything = _token_bytes_per_layer(cfg, nbytes)[1]
     if not compiled:
-        scores = 4 * cfg.batch / world * cfg.heads * cfg.seq**2 * nbytes
+        scores = cfg.batch / world * cfg.heads * cfg.seq**2 * nbytes
         logits = 3 * tokens * cfg.vocab * nbytes
-        return state + cfg.layers * (scores + tokens * everything) + logits
+        return state + cfg.layers * (2 * scores + cfg.seq**2 + tokens * everything) + 3 * scores + logits
     working = tokens * everything + CE_CHUNK_BYTES
     if world > 1:
         block_params = (cfg.params - 2 * cfg.vocab * cfg.d_model) / cfg.layers

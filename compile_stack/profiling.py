@@ -12,6 +12,7 @@ import re
 from collections import defaultdict
 
 import torch
+from torch.autograd import DeviceType
 from torch.profiler import ProfilerActivity, profile
 
 from compile_stack.config import ModelConfig
@@ -60,13 +61,16 @@ def profile_step(step_fn, cfg: ModelConfig, trace_path: str) -> dict:
     return breakdown(prof.key_averages(), cfg)
 
 
-def breakdown(events, cfg: ModelConfig) -> dict:
-    """Device time per category (falls back to CPU self time when there is no device)."""
-    on_device = torch.cuda.is_available()
+def breakdown(events, cfg: ModelConfig, on_device: bool | None = None) -> dict:
+    """Time per category: of the device's kernels on a GPU (CPU ops are left out there, since
+    an op's self device time repeats its kernels'), of the CPU ops' self time without one."""
+    on_device = torch.cuda.is_available() if on_device is None else on_device
     totals = defaultdict(float)
     for event in events:
         if on_device:
-            us = getattr(event, "self_device_time_total", getattr(event, "self_cuda_time_total", 0.0))
+            if event.device_type != DeviceType.CUDA:
+                continue
+            us = event.self_device_time_total
         else:
             us = event.self_cpu_time_total
         if us > 0 and not event.key.startswith("ProfilerStep"):

@@ -1,7 +1,11 @@
 """The profile breakdown's kernel categories."""
-import pytest
+from types import SimpleNamespace
 
-from compile_stack.profiling import CATEGORIES, categorize
+import pytest
+from torch.autograd import DeviceType
+
+from compile_stack.config import PRESETS
+from compile_stack.profiling import CATEGORIES, breakdown, categorize
 from custom_ops import adamw, attention, linear_cross_entropy
 
 
@@ -22,3 +26,22 @@ from custom_ops import adamw, attention, linear_cross_entropy
 def test_kernels_land_in_their_category(kernel, category):
     assert category in CATEGORIES
     assert categorize(kernel) == category
+
+
+def test_gpu_breakdown_counts_kernels_once():
+    """A CPU op's self device time repeats its kernel's: only the kernel counts."""
+    def event(key, device_type, device_us=0.0, cpu_us=0.0):
+        return SimpleNamespace(key=key, device_type=device_type, self_device_time_total=device_us,
+                               self_cpu_time_total=cpu_us)
+
+    events = [
+        event("aten::mm", DeviceType.CPU, device_us=3000.0, cpu_us=20.0),
+        event("nvjet_tst_256x128_64x4_1x2_h_bz_coopA_NNT", DeviceType.CUDA, device_us=3000.0),
+        event("cstack::flash_attention_fwd", DeviceType.CPU, device_us=1000.0, cpu_us=30.0),
+        event("_attn_fwd_kernel", DeviceType.CUDA, device_us=1000.0),
+    ]
+    result = breakdown(events, PRESETS["tiny"], on_device=True)
+    assert result["matmul"]["ms"] == 3.0 and result["attention"]["ms"] == 1.0
+    assert result["matmul"]["share"] == 0.75
+    cpu = breakdown(events, PRESETS["tiny"], on_device=False)
+    assert cpu["matmul"]["ms"] == 0.02 and cpu["attention"]["ms"] == 0.03

@@ -74,6 +74,12 @@ def test_eager_step_with_stock_comparison(tmp_path, cache, monkeypatch):
     assert stock["step_ms"] > 0 and summary["compare"]["speedup"] == pytest.approx(stock["step_ms"] / summary["step_ms"], rel=1e-2)
 
 
+def test_a_check_whose_eager_reference_cannot_fit_is_refused(cache):
+    # Compiled, S 65536 fits easily; the eager reference's B·H·S² scores (69 GB each) do not.
+    with pytest.raises(SystemExit, match=r"--check: the eager reference .* estimated peak [\d.]+ GiB"):
+        run_step.main(["--compile", "--check", "--seq", "65536", "--device", "cpu", *cache])
+
+
 def test_a_config_that_cannot_fit_is_refused_with_the_estimate(cache, capsys):
     with pytest.raises(SystemExit, match=r"config does not fit: estimated peak [\d.]+ GiB"):
         run_step.main(["--preset", "full", "--device", "cpu", *cache])
