@@ -99,7 +99,7 @@ def choose_budget(args, cfg: ModelConfig, device: torch.device, device_bytes: fl
     """The least recomputation that fits: the largest budget whose estimate fits the device."""
     if args.memory_budget is not None or not args.compile or device.type != "cuda":
         return args.memory_budget
-    for budget in [b / 20 for b in range(20, -1, -1)]:
+    for budget in [b / 100 for b in range(100, -1, -1)]:
         if memory.fits(cfg, True, device_bytes, budget, world=world):
             return budget
     return 0.0
@@ -255,10 +255,12 @@ def run(args) -> dict:
     if args.profile:
         from compile_stack.profiling import format_breakdown, profile_step
 
+        rank_cfg = cfg
         if world > 1:
             args.profile = args.profile.with_name(f"{args.profile.stem}.rank{rank}{args.profile.suffix}")
+            rank_cfg = cfg.with_overrides(batch=cfg.batch // world)  # the work this rank does
         log(f"profiling one step into {args.profile}...")
-        summary["profile"] = profile_step(lambda: step(*batch), cfg, args.profile)
+        summary["profile"] = profile_step(lambda: step(*batch), rank_cfg, args.profile)
         log(format_breakdown(summary["profile"]))
 
     if args.compare == "stock":

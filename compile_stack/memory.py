@@ -14,12 +14,15 @@ The estimate is deliberately simple and errs high; it is a guard, not a plan.
   and the attention output and its log-sum-exp, which our passes mark
   must-save) and what AOTAutograd's
   partitioner saves at budget 1.0 (ten d-wide tensors, three d_ff-wide ones
-  and the norms' fp32 statistics), as the activation memory budget decides.
-  The partitioner's knapsack can overshoot a budget by about one saved
-  tensor, so one d-wide tensor is added for any budget above 0. (Calibrated
-  on the full preset's block graph at budgets 0 to 1: the estimate is at or
-  above what the partitioner saved at every budget.) Plus one layer's full
-  working set during the backward, and the cross-entropy chunk.
+  and the norms' fp32 statistics), in proportion to the activation memory
+  budget, plus a margin for the knapsack's overshoot. (Calibrated on the
+  full preset's block graph at budgets 0 to 1 with torch 2.13: the estimate
+  is at or above what the partitioner saved at every budget; torch 2.11
+  saves less.) Plus one layer's full working set during the backward, and
+  the cross-entropy chunk.
+- The peak is at the backward's start: parameters, moments, every saved
+  activation, the LM head's gradient; block gradients only appear as the
+  blocks' activations are freed, which are larger.
 - Data parallel over ``world`` ranks: the state is sharded, each rank holds
   batch/world sequences, and FSDP2 adds the unsharded parameters and
   gradients of the groups in flight (the root group and two blocks).
@@ -60,14 +63,21 @@ def estimate_peak_bytes(
     if world > 1:
         block_params = (cfg.params - 2 * cfg.vocab * cfg.d_model) / cfg.layers
         working += 2 * (2 * cfg.vocab * cfg.d_model + 2 * block_params) * nbytes
-    return state + cfg.layers * tokens * saved_bytes_per_token(cfg, memory_budget, nbytes) + working
+    # Gradients appear while the backward frees activations, a block at a time, and a block
+    # saves more than its gradients take: the peak is at the backward's start, before any
+    # block's gradient exists (the LM head's does: the fused loss computes it in the forward).
+    head_grads = (cfg.vocab + tokens) * cfg.d_model * nbytes
+    saved = cfg.layers * tokens * saved_bytes_per_token(cfg, memory_budget, nbytes)
+    backward_start = state * 3 / 4 + saved + head_grads + working
+    return max(backward_start, state + working)
 
 
 def saved_bytes_per_token(cfg: ModelConfig, memory_budget: float, nbytes: int = 2) -> float:
     """Bytes one compiled layer saves for its backward, per token, at ``memory_budget``."""
     floor, everything = _token_bytes_per_layer(cfg, nbytes)
-    overshoot = cfg.d_model * nbytes if memory_budget > 0 else 0
-    return floor + memory_budget * (everything - floor) + overshoot
+    # The partitioner's knapsack works on discretized sizes and can overshoot its budget a
+    # little (by up to 2% of the floor-to-everything range at the budgets we measured): +10%.
+    return floor + min(1.0, 1.1 * memory_budget) * (everything - floor)
 
 
 def fits(cfg: ModelConfig, compiled: bool, device_bytes: float, memory_budget: float = 1.0, world: int = 1) -> bool:
