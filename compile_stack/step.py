@@ -9,7 +9,7 @@ The harness semantics exactly (REFERENCE.md §1)::
 
 Compiled, every tensor op of it runs in code Inductor generated: forward and
 loss as one Dynamo graph whose backward AOTAutograd derives (so ``backward()``
-runs compiled code) — or, with ``regional``, as three graphs whose block graph
+runs compiled code) — or, with ``regional`` (run_step.py's default), as three graphs whose block graph
 all blocks share (``regional.py``) — and ``optimizer.step`` compiled as its
 own graph. We compile the optimizer's own ``step`` rather than rewrite it as a
 functional update, so the user's optimizer code is what runs: our
