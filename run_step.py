@@ -203,7 +203,7 @@ def run(args) -> dict:
         raise SystemExit(
             f"--check: the eager reference step it runs next to ours does not fit: estimated peak "
             f"{eager_estimate / memory.GIB:.1f} GiB with {device_bytes / memory.GIB:.1f} GiB on {device}. "
-            "Check a smaller config (e.g. --preset small --seq 2048), or --force to try anyway."
+            "Check a smaller config (e.g. --preset small --seq 4096), or --force to try anyway."
         )
 
     settings.use_cache_dir(args.cache_dir, fresh=args.fresh_cache and rank == 0)

@@ -12,14 +12,13 @@ The estimate is deliberately simple and errs high; it is a guard, not a plan.
 - Compiled with our ops: no S×S and no T×V tensor. Per layer and token the
   step saves between a floor (the block input, the residual after attention,
   and the attention output and its log-sum-exp, which our passes mark
-  must-save) and what AOTAutograd's
-  partitioner saves at budget 1.0 (ten d-wide tensors, three d_ff-wide ones
-  and the norms' fp32 statistics), in proportion to the activation memory
-  budget, plus a margin for the knapsack's overshoot. (Calibrated on the
-  full preset's block graph at budgets 0 to 1 with torch 2.13: the estimate
-  is at or above what the partitioner saved at every budget; torch 2.11
-  saves less.) Plus one layer's full working set during the backward, and
-  the cross-entropy chunk.
+  must-save) and what AOTAutograd's partitioner saves at budget 1.0 (ten
+  d-wide tensors, three d_ff-wide ones and the norms' fp32 statistics), in
+  proportion to the activation memory budget, plus a margin for the
+  knapsack's overshoot. (Calibrated on the full preset's block graph at
+  budgets 0 to 1 with torch 2.13: the estimate is at or above what the
+  partitioner saved at every budget; torch 2.11 saves less.) Plus one layer's
+  full working set during the backward, and the cross-entropy chunk.
 - The peak is at the backward's start: parameters, moments, every saved
   activation, the LM head's gradient; block gradients only appear as the
   blocks' activations are freed, which are larger.
@@ -66,9 +65,10 @@ def estimate_peak_bytes(
     # Gradients appear while the backward frees activations, a block at a time, and a block
     # saves more than its gradients take: the peak is at the backward's start, before any
     # block's gradient exists (the LM head's does: the fused loss computes it in the forward).
+    params_and_moments = 3 * cfg.params * nbytes / world
     head_grads = (cfg.vocab + tokens) * cfg.d_model * nbytes
     saved = cfg.layers * tokens * saved_bytes_per_token(cfg, memory_budget, nbytes)
-    backward_start = state * 3 / 4 + saved + head_grads + working
+    backward_start = params_and_moments + saved + head_grads + working
     return max(backward_start, state + working)
 
 
