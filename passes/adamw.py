@@ -46,6 +46,7 @@ from torch._subclasses.fake_tensor import unset_fake_temporarily
 from torch.fx.node import map_arg
 
 import custom_ops.adamw  # noqa: F401  (registers torch.ops.cstack.fused_adamw_)
+from passes.graph_edit import insert_call, reachable
 from passes.registry import note, register_pass
 
 aten = torch.ops.aten
@@ -224,17 +225,6 @@ def _probe_call(target, args, kwargs, probes: int):
     return target(*args, **kwargs)
 
 
-def _ancestors(nodes) -> set[Node]:
-    """``nodes`` and every node they read, whole foreach lists included."""
-    seen, stack = set(), list(nodes)
-    while stack:
-        node = stack.pop()
-        if node not in seen:
-            seen.add(node)
-            map_arg((node.args, node.kwargs), stack.append)
-    return seen
-
-
 def _as_float(x) -> float:
     return float(x.item()) if isinstance(x, torch.Tensor) else float(x)
 
@@ -339,7 +329,7 @@ def _coefficients(readings):
 
 def _prove(chains: list[_Chain], graph: Graph, flow: _Flow, order) -> list[_Chain]:
     """Evaluate the chains on float64 probes; keep those equal to AdamW, with coefficients and step set."""
-    needed = _ancestors(n for c in chains for n in c.nodes)
+    needed = reachable([n for c in chains for n in c.nodes], lambda n: n.all_input_nodes)  # foreach lists too
     roles = {getattr(c, r): r for c in chains for r in "pgmv"}
 
     def run(step, values):
@@ -425,45 +415,36 @@ def _isolated(chain: _Chain, flow: _Flow, order, insert_at: Node) -> bool:
     return True
 
 
-def _add(graph: Graph, fake_mode, target, args, kwargs=None) -> Node:
-    """A call node, with its fake value in meta['val'] as the rest of the graph has."""
-    node = graph.call_function(target, tuple(args), kwargs or {})
-    if fake_mode is not None:
-        fake_args, fake_kwargs = map_arg((node.args, node.kwargs), lambda n: n.meta["val"])
-        with fake_mode:
-            node.meta["val"] = target(*fake_args, **fake_kwargs)
-    return node
-
-
-def _step_f32(graph: Graph, fake_mode, step: Node, device) -> Node:
+def _step_f32(add, step: Node, device) -> Node:
     """t as a 0-d float32 tensor: a tensor is cast, a SymInt/SymFloat becomes a tensor on ``device``."""
     val = _val(step)
     if isinstance(val, torch.Tensor):
         if val.dtype == torch.float32:
             return step
-        return _add(graph, fake_mode, torch.ops.prims.convert_element_type.default, (step, torch.float32))
-    return _add(graph, fake_mode, aten.scalar_tensor.default, (step,), {"dtype": torch.float32, "device": device})
+        return add(torch.ops.prims.convert_element_type.default, (step, torch.float32))
+    return add(aten.scalar_tensor.default, (step,), {"dtype": torch.float32, "device": device})
 
 
 def _fuse(graph: Graph, group: list[_Chain], fake_mode) -> Node:
     """Insert one fused call for ``group`` (at the graph's insertion point); returns the call node."""
+    add = functools.partial(insert_call, graph, fake_mode=fake_mode)
     beta1, beta2, lr, weight_decay, eps, torch_semantics = group[0].coefficients
     device = _val(group[0].p).device
-    lr_node = _add(graph, fake_mode, aten.scalar_tensor.default, (lr,), {"dtype": torch.float32, "device": device})
+    lr_node = add(aten.scalar_tensor.default, (lr,), {"dtype": torch.float32, "device": device})
     steps = list(dict.fromkeys(c.step for c in group))
     if steps == [None]:
-        step = _add(graph, fake_mode, aten.scalar_tensor.default, (1.0,), {"dtype": torch.float32, "device": device})
+        step = add(aten.scalar_tensor.default, (1.0,), {"dtype": torch.float32, "device": device})
     else:
-        step_values = [_step_f32(graph, fake_mode, s, device) for s in steps]
+        step_values = [_step_f32(add, s, device) for s in steps]
         step = step_values[0]
         if len(steps) > 1:
-            stacked = _add(graph, fake_mode, aten.stack.default, (step_values,))
-            same = _add(graph, fake_mode, aten.all.default, (_add(graph, fake_mode, aten.eq.Tensor, (stacked, step)),))
-            _add(graph, fake_mode, aten._assert_async.msg,
-                 (same, "fused AdamW: parameters of one group are at different steps (one missed updates)"))
+            stacked = add(aten.stack.default, (step_values,))
+            same = add(aten.all.default, (add(aten.eq.Tensor, (stacked, step)),))
+            add(aten._assert_async.msg,
+                (same, "fused AdamW: parameters of one group are at different steps (one missed updates)"))
     lists = [[getattr(c, r) for c in group] for r in "pgmv"]
-    call = _add(graph, fake_mode, torch.ops.cstack.fused_adamw_.default,
-                (*lists, lr_node, step, beta1, beta2, eps, weight_decay, torch_semantics))
+    call = add(torch.ops.cstack.fused_adamw_.default,
+               (*lists, lr_node, step, beta1, beta2, eps, weight_decay, torch_semantics))
     call.meta["val"] = None
     return call
 

@@ -36,6 +36,7 @@ from torch.fx.operator_schemas import normalize_function
 
 import custom_ops.attention  # noqa: F401  (registers torch.ops.cstack.flash_attention_*)
 from custom_ops.attention import HEAD_DIMS
+from passes.graph_edit import insert_call, reachable
 from passes.registry import note, register_pass, save_for_backward
 
 aten, prims = torch.ops.aten, torch.ops.prims
@@ -378,18 +379,6 @@ def _transpose_bmms(node, side: int):
             for b in t.users if b.target is aten.bmm.default and b.args[side] is t]
 
 
-def _descendants(start, stop):
-    seen, work = set(), [start]
-    while work:
-        n = work.pop()
-        if n in seen:
-            continue
-        seen.add(n)
-        if n not in stop:
-            work.extend(n.users)
-    return seen
-
-
 def _plan(softmax_node, x, tangent_deps):
     """Everything needed to rewrite one written-out attention; raises NoMatch."""
     rows, cols = _shape(x)[-2:]
@@ -413,7 +402,7 @@ def _plan(softmax_node, x, tangent_deps):
     if len(grads) > 1:
         raise NoMatch("the backward of bmm(P, V) does not use one output grad")
     exits = {"dq": dq_mm[0] if dq_mm else None, "dk": dk_mm[0] if dk_mm else None, "dv": dv_mm[0] if dv_mm else None}
-    region = _descendants(qk, {pv, *filter(None, exits.values())})
+    region = reachable([qk], lambda n: n.users, {pv, *filter(None, exits.values())})
     if any(n.op == "output" or n.is_impure() for n in region):
         raise NoMatch("the scores or weights are used beyond attention (returned, or backward not recognised)")
     grad = next(iter(grads), None)
@@ -427,18 +416,6 @@ def _plan(softmax_node, x, tangent_deps):
     return dict(q=q, kt=kt, v=v, pv=pv, grad=grad, causal=causal, scale=scale, **exits)
 
 
-def _call(graph, target, args, **kwargs):
-    """Insert a call and give it the `val` meta later passes need."""
-    node = graph.call_function(target, tuple(args), kwargs)
-    vals = [a.meta["val"] if isinstance(a, torch.fx.Node) else a for a in args]
-    if target is operator.getitem:
-        node.meta["val"] = vals[0][vals[1]]
-    else:
-        with vals[0].fake_mode:
-            node.meta["val"] = target(*vals, **kwargs)
-    return node
-
-
 def _replace(graph, old, new) -> None:
     """Make `old`'s users use `new`, copied to `old`'s strides if they differ: later views rely on them."""
     want, have = old.meta["val"], new.meta["val"]
@@ -446,9 +423,9 @@ def _replace(graph, old, new) -> None:
     if any(want.stride(d) != have.stride(d) for d in significant):
         order = sorted(range(want.dim()), key=lambda d: (-want.stride(d), d))
         with graph.inserting_before(old):
-            moved = _call(graph, aten.permute.default, (new, order))
-            dense = _call(graph, aten.clone.default, (moved,), memory_format=torch.contiguous_format)
-            new = _call(graph, aten.permute.default, (dense, [order.index(d) for d in range(want.dim())]))
+            moved = insert_call(graph, aten.permute.default, (new, order))
+            dense = insert_call(graph, aten.clone.default, (moved,), {"memory_format": torch.contiguous_format})
+            new = insert_call(graph, aten.permute.default, (dense, [order.index(d) for d in range(want.dim())]))
     old.replace_all_uses_with(new)
 
 
@@ -469,20 +446,20 @@ def _erase_dead(graph, roots) -> set:
 def _flash(graph, q, k, v, causal, scale, grad, where_fwd, where_bwd):
     """Insert our forward (and backward when `grad` is given); returns out, (dq, dk, dv) nodes."""
     with graph.inserting_before(where_fwd):
-        fwd = _call(graph, torch.ops.cstack.flash_attention_fwd.default, (q, k, v, causal, scale))
-        out, lse = (_call(graph, operator.getitem, (fwd, i)) for i in (0, 1))
+        fwd = insert_call(graph, torch.ops.cstack.flash_attention_fwd.default, (q, k, v, causal, scale))
+        out, lse = (insert_call(graph, operator.getitem, (fwd, i)) for i in (0, 1))
     save_for_backward(fwd, out, lse)
     if grad is None:
         return out, None
     with graph.inserting_before(where_bwd):
-        bwd = _call(graph, torch.ops.cstack.flash_attention_bwd.default, (grad, q, k, v, out, lse, causal, scale))
-        return out, tuple(_call(graph, operator.getitem, (bwd, i)) for i in range(3))
+        bwd = insert_call(graph, torch.ops.cstack.flash_attention_bwd.default, (grad, q, k, v, out, lse, causal, scale))
+        return out, tuple(insert_call(graph, operator.getitem, (bwd, i)) for i in range(3))
 
 
 def _rewrite(graph, plan, order):
     kt = plan["kt"]
     with graph.inserting_before(plan["pv"]):
-        k = _call(graph, aten.permute.default, (kt, [0, 2, 1]))
+        k = insert_call(graph, aten.permute.default, (kt, [0, 2, 1]))
     exits = [e for e in (plan["dq"], plan["dk"], plan["dv"]) if e is not None]
     first = min(exits, key=order.__getitem__) if exits else None
     out, grads = _flash(graph, plan["q"], k, plan["v"], plan["causal"], plan["scale"],
@@ -494,7 +471,7 @@ def _rewrite(graph, plan, order):
             _replace(graph, plan["dq"], dq)
         if plan["dk"] is not None:
             with graph.inserting_before(plan["dk"]):
-                _replace(graph, plan["dk"], _call(graph, aten.permute.default, (dk, [0, 2, 1])))
+                _replace(graph, plan["dk"], insert_call(graph, aten.permute.default, (dk, [0, 2, 1])))
         if plan["dv"] is not None:
             _replace(graph, plan["dv"], dv)
     return _erase_dead(graph, [plan["pv"], *exits])
@@ -554,7 +531,7 @@ def _sdpa_rewrite(graph, node, plan):
 def replace_attention(graph: torch.fx.Graph) -> int:
     """Rewrite naive attention and SDPA (fwd and bwd together) into cstack.flash_attention_{fwd,bwd}."""
     tangents = [n for n in graph.nodes if n.op == "placeholder" and n.name.startswith("tangents")]
-    tangent_deps = set().union(*(_descendants(t, set()) for t in tangents)) if tangents else set()
+    tangent_deps = reachable(tangents, lambda n: n.users)
     replaced, gone, tried = 0, set(), set()
     for node in list(graph.nodes):
         if node in gone or node.op != "call_function" or node in tangent_deps:

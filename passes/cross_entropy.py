@@ -39,13 +39,13 @@ import operator
 
 import torch
 import torch.nn.functional as F
-from torch._guards import detect_fake_mode
 from torch._subclasses.fake_tensor import FakeTensorMode, unset_fake_temporarily
 from torch._inductor.fx_passes.joint_graph import early_patterns
 from torch._inductor.fx_passes.post_grad import remove_noop_ops
 from torch._inductor.pattern_matcher import gen_pattern, joint_fwd_bwd, stable_topological_sort
 
 import custom_ops.linear_cross_entropy  # noqa: F401  (registers torch.ops.cstack.linear_cross_entropy_fwd)
+from passes.graph_edit import insert_call, reachable
 from passes.registry import note, register_pass, save_for_backward
 
 aten = torch.ops.aten
@@ -300,14 +300,7 @@ def _backward_matmuls(projection, grad_logits):
 
 def _only_rewritten_uses(graph, replaced, new_inputs, dying):
     """Whether, once ``replaced`` nodes stop reading their inputs, every ``dying`` node is dead."""
-    live, stack = set(), [graph.output_node(), *new_inputs]
-    while stack:
-        n = stack.pop()
-        if n in live:
-            continue
-        live.add(n)
-        if n not in replaced:
-            stack.extend(n.all_input_nodes)
+    live = reachable([graph.output_node(), *new_inputs], lambda n: n.all_input_nodes, stop=replaced)
     return not (live & set(dying))
 
 
@@ -387,26 +380,10 @@ def _note_unmatched_softmaxes(graph, taken):
 # --- rewriting --------------------------------------------------------------------
 
 
-class _Emitter:
-    """Adds call_function nodes with their fake ``val`` metadata (the partitioner needs it)."""
+def _rewrite(graph, c):
+    def emit(target, *args):
+        return insert_call(graph, target, args)
 
-    def __init__(self, graph):
-        self.graph = graph
-        vals = [n.meta.get("val") for n in graph.nodes if n.op == "placeholder"]
-        self.fake_mode = detect_fake_mode([v for v in vals if isinstance(v, torch.Tensor)])
-
-    def __call__(self, target, *args):
-        node = self.graph.call_function(target, args)
-        vals = torch.fx.node.map_arg(args, lambda n: n.meta["val"])
-        if target is operator.getitem:
-            node.meta["val"] = vals[0][vals[1]]
-        else:
-            with self.fake_mode:
-                node.meta["val"] = target(*vals)
-        return node
-
-
-def _rewrite(graph, emit, c):
     a, b = c["projection"].args
     with graph.inserting_before(c["loss"]):
         hidden = a if _val(a).dim() == 2 else emit(aten.squeeze.dim, a, 0)
@@ -441,9 +418,8 @@ def fuse_linear_cross_entropy(graph: torch.fx.Graph) -> int:
     _note_unmatched_softmaxes(graph, taken)
     if not found:
         return 0
-    emit = _Emitter(graph)
     for c in found:
-        _rewrite(graph, emit, c)
+        _rewrite(graph, c)
     stable_topological_sort(graph)
     graph.eliminate_dead_code()
     return len(found)

@@ -25,6 +25,8 @@ import torch
 from torch._inductor.custom_graph_pass import CustomGraphPass, get_hash_for_files
 from torch.utils.checkpoint import CheckpointPolicy
 
+from passes import graph_edit
+
 STAGES = ("pre_grad", "joint", "post_grad")
 # Inductor config hook per stage.
 _HOOKS = {
@@ -158,7 +160,7 @@ class StagePass(CustomGraphPass):
             self.observer(self.stage, graph, "after")
 
     def uuid(self) -> bytes:
-        files = tuple(sorted({p.source_file for p in self.passes} | {__file__}))
+        files = tuple(sorted({p.source_file for p in self.passes} | {__file__, graph_edit.__file__}))
         return get_hash_for_files(files, extra=self.stage + ":" + ",".join(p.name for p in self.passes))
 
 
