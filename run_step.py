@@ -245,7 +245,7 @@ def run(args) -> dict:
 
     summary.update(measure(step, batch, args, device, cfg, "ours"))
     if world > 1:
-        summary.update(distributed.rank_summary([summary["step_ms"]], device))
+        summary.update(distributed.rank_summary(summary["step_ms"], summary["peak_mem_gib"]))
         summary["mfu"] = round(summary["mfu"] / world, 4)  # of `world` GPUs' peak
         summary["comm_overlap"] = distributed.profile_overlap(lambda: step(*batch))
     summary["passes"] = registry.REPORT.as_dict(pass_names)

@@ -15,6 +15,7 @@ import time
 import torch
 import triton
 
+from compile_stack.memory import GIB
 from custom_ops import adamw
 from custom_ops.adamw import fused_adamw
 
@@ -89,7 +90,7 @@ def main():
         opt.state[p] = {"step": torch.zeros((), dtype=torch.float32, device=dev), "exp_avg": m, "exp_avg_sq": v}
     torch_ms = bench_ms(opt.step)
 
-    peak_gib = torch.cuda.max_memory_allocated() / 2**30
+    peak_gib = torch.cuda.max_memory_allocated() / GIB
     rows = [
         ("copy floor (7 x 2 B x N / copy bw)", floor_ms),
         ("cstack fused_adamw_ (ours)", ours_ms),

@@ -23,6 +23,7 @@ import triton
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+from compile_stack.memory import GIB  # noqa: E402
 from custom_ops import attention as A  # noqa: E402
 from custom_ops.attention import Tiles  # noqa: E402
 
@@ -78,7 +79,7 @@ def time_impl(name, q, k, v, dout):
     torch.cuda.reset_peak_memory_stats()
     base = torch.cuda.memory_allocated()
     t_all = bench(lambda: torch.autograd.grad(forward().sum(), (q, k, v)))
-    peak = (torch.cuda.max_memory_allocated() - base) / 2**30
+    peak = (torch.cuda.max_memory_allocated() - base) / GIB
     return dict(fwd_ms=t_fwd, bwd_ms=t_bwd, fwd_bwd_ms=t_all, peak_gib=peak)
 
 

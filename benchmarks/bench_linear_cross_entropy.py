@@ -24,14 +24,13 @@ import triton
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from compile_stack.memory import GIB  # noqa: E402
 from custom_ops.linear_cross_entropy import (  # noqa: E402
     chunk_tokens,
     chunk_tokens_for,
     fwd_chunked,
     linear_cross_entropy,
 )
-
-GIB = 2**30
 
 
 def naive_loss(hidden, weight, targets):

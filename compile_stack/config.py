@@ -51,11 +51,19 @@ class ModelConfig:
         return self.layers * (4 * d * d + 3 * d * self.d_ff) + d * self.vocab
 
     @property
+    def matmul_flops(self) -> float:
+        """Every matmul of one train step, the LM head's included: 6·N·T."""
+        return 6 * self.matmul_params * self.tokens
+
+    @property
+    def attention_flops(self) -> float:
+        """Causal attention of one train step: fwd 4·B·H·S²·D/2 per layer, fwd+bwd = 3× fwd."""
+        return 3 * self.layers * 4 * self.batch * self.heads * self.seq**2 * self.head_dim / 2
+
+    @property
     def flops_per_step(self) -> float:
-        """Model FLOPs of one train step: 6·N·T plus causal attention (fwd+bwd = 3× fwd)."""
-        matmul = 6 * self.matmul_params * self.tokens
-        attention = 3 * self.layers * 4 * self.batch * self.heads * self.seq**2 * self.head_dim / 2
-        return matmul + attention
+        """Model FLOPs of one train step (REFERENCE.md §3)."""
+        return self.matmul_flops + self.attention_flops
 
     def with_overrides(self, **overrides) -> "ModelConfig":
         return dataclasses.replace(self, **{k: v for k, v in overrides.items() if v is not None})

@@ -34,7 +34,6 @@ averaged over ranks: the full-batch loss.
 """
 import contextlib
 import os
-import statistics
 from collections.abc import Callable
 
 import torch
@@ -229,13 +228,11 @@ def profile_overlap(step_fn: Callable[[], object]) -> dict | None:
     if not torch.cuda.is_available():
         return None
     from torch.autograd import DeviceType
-    from torch.profiler import ProfilerActivity, profile
 
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-        step_fn()
-        torch.cuda.synchronize()
+    from compile_stack.profiling import record
+
     comm, compute = [], []
-    for event in prof.events():
+    for event in record(step_fn).events():
         if event.device_type == DeviceType.CUDA and event.time_range.end > event.time_range.start:
             kind = comm if "nccl" in event.name.lower() else compute
             kind.append((event.time_range.start, event.time_range.end))
@@ -245,15 +242,9 @@ def profile_overlap(step_fn: Callable[[], object]) -> dict | None:
     return result
 
 
-def rank_summary(step_ms: list[float], device: torch.device) -> dict:
-    """Per-rank figures gathered to every rank: step time (median; the slowest rank's) and peak memory."""
-    if device.type == "cuda":
-        peak = torch.cuda.max_memory_allocated(device) / 2**30
-    else:
-        import resource
-
-        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / 2**30
-    mine = {"step_ms": statistics.median(step_ms), "peak_mem_gib": peak}
+def rank_summary(step_ms: float, peak_mem_gib: float) -> dict:
+    """This rank's step time and peak memory, gathered to every rank; the step is the slowest rank's."""
+    mine = {"step_ms": step_ms, "peak_mem_gib": peak_mem_gib}
     ranks = [None] * dist.get_world_size()
     dist.all_gather_object(ranks, mine)
     return {

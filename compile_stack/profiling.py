@@ -38,11 +38,9 @@ def categorize(kernel_name: str) -> str:
 
 def _known_work(cfg: ModelConfig) -> dict[str, tuple[float, str]]:
     """Work per category for one step: (amount, unit): FLOPs, or bytes moved."""
-    attention = 3 * cfg.layers * 4 * cfg.batch * cfg.heads * cfg.seq**2 * cfg.head_dim / 2
     return {
-        "attention": (attention, "TFLOP/s"),
-        # Every matmul of the step, the LM head's included: 6·N·T.
-        "matmul": (6 * cfg.matmul_params * cfg.tokens, "TFLOP/s"),
+        "attention": (cfg.attention_flops, "TFLOP/s"),
+        "matmul": (cfg.matmul_flops, "TFLOP/s"),
         # The row kernel reads the bf16 logits twice and writes their gradient once.
         "cross_entropy": (3 * 2 * cfg.tokens * cfg.vocab, "GB/s"),
         # AdamW reads p, g, m, v and writes p, m, v: 7 accesses per parameter.
@@ -50,13 +48,19 @@ def _known_work(cfg: ModelConfig) -> dict[str, tuple[float, str]]:
     }
 
 
-def profile_step(step_fn, cfg: ModelConfig, trace_path: str) -> dict:
-    """Run ``step_fn`` once under the profiler, write the trace, return the breakdown."""
+def record(step_fn) -> profile:
+    """Run ``step_fn`` once under the profiler (CPU, and CUDA when there is a GPU), synchronized."""
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
     with profile(activities=activities) as prof:
         step_fn()
         if torch.cuda.is_available():
             torch.cuda.synchronize()
+    return prof
+
+
+def profile_step(step_fn, cfg: ModelConfig, trace_path: str) -> dict:
+    """Run ``step_fn`` once under the profiler, write the trace, return the breakdown."""
+    prof = record(step_fn)
     prof.export_chrome_trace(str(trace_path))
     return breakdown(prof.key_averages(), cfg)
 
