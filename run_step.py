@@ -89,9 +89,10 @@ def choose_config(args, device: torch.device, device_bytes: float, world: int) -
         return "tiny", PRESETS["tiny"].with_overrides(**overrides), "no GPU: tiny runs on the CPU"
     for name in PRESET_ORDER:
         cfg = PRESETS[name].with_overrides(**overrides)
-        if memory.fits(cfg, args.compile, device_bytes, memory_budget=0.0, world=world):
-            estimate = memory.estimate_peak_bytes(cfg, args.compile, 0.0, world=world) / memory.GIB
-            return name, cfg, f"largest preset whose estimate ({estimate:.0f} GiB) fits the GPU's {device_bytes / memory.GIB:.0f} GiB"
+        estimate = memory.estimate_peak_bytes(cfg, args.compile, 0.0, world=world)
+        if memory.fits(estimate, device_bytes):
+            return name, cfg, (f"largest preset whose estimate ({estimate / memory.GIB:.0f} GiB) fits the GPU's "
+                               f"{device_bytes / memory.GIB:.0f} GiB")
     return "tiny", PRESETS["tiny"].with_overrides(**overrides), "nothing larger fits"
 
 
@@ -100,7 +101,7 @@ def choose_budget(args, cfg: ModelConfig, device: torch.device, device_bytes: fl
     if args.memory_budget is not None or not args.compile or device.type != "cuda":
         return args.memory_budget
     for budget in [b / 100 for b in range(100, -1, -1)]:
-        if memory.fits(cfg, True, device_bytes, budget, world=world):
+        if memory.fits(memory.estimate_peak_bytes(cfg, True, budget, world=world), device_bytes):
             return budget
     return 0.0
 
@@ -190,7 +191,7 @@ def run(args) -> dict:
     log(f"preset: {preset} ({why}); config: {cfg}")
     log(f"mode: {'compiled' if args.compile else 'eager'}; dtype {args.dtype}; memory budget: {budget}")
     estimate = memory.estimate_peak_bytes(cfg, args.compile, budget if budget is not None else 1.0, world=world)
-    if estimate > memory.USABLE_FRACTION * device_bytes and not args.force:
+    if not memory.fits(estimate, device_bytes) and not args.force:
         raise SystemExit(
             f"config does not fit: estimated peak {estimate / memory.GIB:.1f} GiB "
             f"({'compiled' if args.compile else 'eager'}, budget {budget}) with {device_bytes / memory.GIB:.1f} GiB "
@@ -199,7 +200,7 @@ def run(args) -> dict:
         )
     # --check keeps a second model and its optimizer state, and runs it eagerly.
     eager_estimate = memory.estimate_peak_bytes(cfg, False) + 4 * cfg.params * dtype.itemsize
-    if args.check and eager_estimate > memory.USABLE_FRACTION * device_bytes and not args.force:
+    if args.check and not memory.fits(eager_estimate, device_bytes) and not args.force:
         raise SystemExit(
             f"--check: the eager reference step it runs next to ours does not fit: estimated peak "
             f"{eager_estimate / memory.GIB:.1f} GiB with {device_bytes / memory.GIB:.1f} GiB on {device}. "

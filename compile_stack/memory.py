@@ -80,8 +80,9 @@ def saved_bytes_per_token(cfg: ModelConfig, memory_budget: float, nbytes: int = 
     return floor + min(1.0, 1.1 * memory_budget) * (everything - floor)
 
 
-def fits(cfg: ModelConfig, compiled: bool, device_bytes: float, memory_budget: float = 1.0, world: int = 1) -> bool:
-    return estimate_peak_bytes(cfg, compiled, memory_budget, world=world) <= USABLE_FRACTION * device_bytes
+def fits(estimate_bytes: float, device_bytes: float) -> bool:
+    """Whether an estimated peak leaves the allocator its slack on a device of ``device_bytes``."""
+    return estimate_bytes <= USABLE_FRACTION * device_bytes
 
 
 def device_bytes(device: torch.device) -> float:

@@ -41,9 +41,9 @@ def test_memory_estimate_orders_eager_above_compiled_and_budget_monotone():
     assert low > 4 * full.params * 2
     assert low < high < eager
     h200 = 139 * memory.GIB
-    assert memory.fits(full, True, h200, memory_budget=0.0)
-    assert not memory.fits(full, True, h200, memory_budget=1.0)
-    assert not memory.fits(full, False, h200)
+    assert memory.fits(low, h200)
+    assert not memory.fits(high, h200)
+    assert not memory.fits(eager, h200)
 
 
 def test_memory_estimate_shards_state_and_batch_over_ranks():
