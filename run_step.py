@@ -80,7 +80,8 @@ def log(msg: str) -> None:
         print(msg, flush=True)
 
 
-def choose_config(args, device: torch.device, device_bytes: float, world: int) -> tuple[str, ModelConfig, str]:
+def choose_config(args, device: torch.device, device_bytes: float, world: int,
+                  nbytes: int) -> tuple[str, ModelConfig, str]:
     """The preset (given, or the largest that fits) with the command-line overrides applied."""
     overrides = {name: getattr(args, name) for name in OVERRIDES}
     if args.preset:
@@ -89,19 +90,20 @@ def choose_config(args, device: torch.device, device_bytes: float, world: int) -
         return "tiny", PRESETS["tiny"].with_overrides(**overrides), "no GPU: tiny runs on the CPU"
     for name in PRESET_ORDER:
         cfg = PRESETS[name].with_overrides(**overrides)
-        estimate = memory.estimate_peak_bytes(cfg, args.compile, 0.0, world=world)
+        estimate = memory.estimate_peak_bytes(cfg, args.compile, 0.0, nbytes, world)
         if memory.fits(estimate, device_bytes):
             return name, cfg, (f"largest preset whose estimate ({estimate / memory.GIB:.0f} GiB) fits the GPU's "
                                f"{device_bytes / memory.GIB:.0f} GiB")
     return "tiny", PRESETS["tiny"].with_overrides(**overrides), "nothing larger fits"
 
 
-def choose_budget(args, cfg: ModelConfig, device: torch.device, device_bytes: float, world: int) -> float | None:
+def choose_budget(args, cfg: ModelConfig, device: torch.device, device_bytes: float, world: int,
+                  nbytes: int) -> float | None:
     """The least recomputation that fits: the largest budget whose estimate fits the device."""
     if args.memory_budget is not None or not args.compile or device.type != "cuda":
         return args.memory_budget
     for budget in [b / 100 for b in range(100, -1, -1)]:
-        if memory.fits(memory.estimate_peak_bytes(cfg, True, budget, world=world), device_bytes):
+        if memory.fits(memory.estimate_peak_bytes(cfg, True, budget, nbytes, world), device_bytes):
             return budget
     return 0.0
 
@@ -184,13 +186,13 @@ def run(args) -> dict:
         raise SystemExit("--device: expected cpu on this machine (no CUDA GPU is available), got cuda")
     device_bytes = memory.device_bytes(device)
     dtype = getattr(torch, args.dtype)
-    preset, cfg, why = choose_config(args, device, device_bytes, world)
-    budget = choose_budget(args, cfg, device, device_bytes, world)
+    preset, cfg, why = choose_config(args, device, device_bytes, world, dtype.itemsize)
+    budget = choose_budget(args, cfg, device, device_bytes, world, dtype.itemsize)
     device_name = torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "cpu"
     log(f"device: {device} ({device_name}); torch {torch.__version__}")
     log(f"preset: {preset} ({why}); config: {cfg}")
     log(f"mode: {'compiled' if args.compile else 'eager'}; dtype {args.dtype}; memory budget: {budget}")
-    estimate = memory.estimate_peak_bytes(cfg, args.compile, budget if budget is not None else 1.0, world=world)
+    estimate = memory.estimate_peak_bytes(cfg, args.compile, 1.0 if budget is None else budget, dtype.itemsize, world)
     if not memory.fits(estimate, device_bytes) and not args.force:
         raise SystemExit(
             f"config does not fit: estimated peak {estimate / memory.GIB:.1f} GiB "
@@ -199,7 +201,7 @@ def run(args) -> dict:
             "Use a smaller preset or overrides, --compile, a lower --memory-budget, or --force to try anyway."
         )
     # --check keeps a second model and its optimizer state, and runs it eagerly.
-    eager_estimate = memory.estimate_peak_bytes(cfg, False) + 4 * cfg.params * dtype.itemsize
+    eager_estimate = memory.estimate_peak_bytes(cfg, False, nbytes=dtype.itemsize) + 4 * cfg.params * dtype.itemsize
     if args.check and not memory.fits(eager_estimate, device_bytes) and not args.force:
         raise SystemExit(
             f"--check: the eager reference step it runs next to ours does not fit: estimated peak "
