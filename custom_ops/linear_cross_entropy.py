@@ -37,7 +37,7 @@ from torch.utils.flop_counter import register_flop_formula
 import triton
 import triton.language as tl
 
-from custom_ops.checks import FLOAT_DTYPES, check_like, check_tensor, require, runs_triton
+from custom_ops.checks import FLOAT_DTYPES, check_like, check_tensor, require
 
 CHUNK_BYTES = 5 * 2**28  # 1.25 GiB: the most one chunk of logits may take
 REDUCTIONS = ("mean", "sum")

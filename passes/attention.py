@@ -36,8 +36,8 @@ from torch.fx.operator_schemas import normalize_function
 
 import custom_ops.attention  # noqa: F401  (registers torch.ops.cstack.flash_attention_*)
 from custom_ops.attention import HEAD_DIMS
-from passes.graph_edit import insert_call, reachable
-from passes.registry import note, register_pass, save_for_backward
+from passes.graph_edit import erase_dead, insert_call, reachable, save_for_backward
+from passes.registry import note, register_pass
 
 aten, prims = torch.ops.aten, torch.ops.prims
 NAME = "attention"
@@ -429,20 +429,6 @@ def _replace(graph, old, new) -> None:
     old.replace_all_uses_with(new)
 
 
-def _erase_dead(graph, roots) -> set:
-    """Erase the nodes among `roots` and their inputs that nothing uses any more; returns them."""
-    work, erased = list(roots), set()
-    while work:
-        n = work.pop()
-        if n in erased or n.op != "call_function" or n.users or n.is_impure():
-            continue
-        inputs = n.all_input_nodes
-        graph.erase_node(n)
-        erased.add(n)
-        work.extend(inputs)
-    return erased
-
-
 def _flash(graph, q, k, v, causal, scale, grad, where_fwd, where_bwd):
     """Insert our forward (and backward when `grad` is given); returns out, (dq, dk, dv) nodes."""
     with graph.inserting_before(where_fwd):
@@ -474,7 +460,7 @@ def _rewrite(graph, plan, order):
                 _replace(graph, plan["dk"], insert_call(graph, aten.permute.default, (dk, [0, 2, 1])))
         if plan["dv"] is not None:
             _replace(graph, plan["dv"], dv)
-    return _erase_dead(graph, [plan["pv"], *exits])
+    return erase_dead(graph, [plan["pv"], *exits])
 
 
 # --------------------------------------------------------------------------- SDPA
@@ -521,7 +507,7 @@ def _sdpa_rewrite(graph, node, plan):
     for i, g in plan["grads"].items():
         if i < 3:
             _replace(graph, g, grads[i])
-    return _erase_dead(graph, [*plan["grads"].values(), plan["out"] or node, node])
+    return erase_dead(graph, [*plan["grads"].values(), plan["out"] or node, node])
 
 
 # --------------------------------------------------------------------------- the pass
@@ -533,6 +519,7 @@ def replace_attention(graph: torch.fx.Graph) -> int:
     tangents = [n for n in graph.nodes if n.op == "placeholder" and n.name.startswith("tangents")]
     tangent_deps = reachable(tangents, lambda n: n.users)
     replaced, gone, tried = 0, set(), set()
+    order = {n: i for i, n in enumerate(graph.nodes)}  # of the original nodes, which rewrites keep
     for node in list(graph.nodes):
         if node in gone or node.op != "call_function" or node in tangent_deps:
             continue
@@ -556,7 +543,7 @@ def replace_attention(graph: torch.fx.Graph) -> int:
             if _looks_like_attention(softmax[0]):
                 note(NAME, f"left softmax {node} over a Q·Kᵀ-like product alone: {e}")
             continue
-        gone |= _rewrite(graph, plan, {n: i for i, n in enumerate(graph.nodes)})
+        gone |= _rewrite(graph, plan, order)
         replaced += 1
     return replaced
 

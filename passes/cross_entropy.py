@@ -45,8 +45,8 @@ from torch._inductor.fx_passes.post_grad import remove_noop_ops
 from torch._inductor.pattern_matcher import gen_pattern, joint_fwd_bwd, stable_topological_sort
 
 import custom_ops.linear_cross_entropy  # noqa: F401  (registers torch.ops.cstack.linear_cross_entropy_fwd)
-from passes.graph_edit import insert_call, reachable
-from passes.registry import note, register_pass, save_for_backward
+from passes.graph_edit import insert_call, reachable, save_for_backward
+from passes.registry import note, register_pass
 
 aten = torch.ops.aten
 prims = torch.ops.prims
@@ -280,15 +280,9 @@ def _backward_matmuls(projection, grad_logits):
         return None
 
     # Every matmul reached from grad_logits through views and casts.
-    matmuls, stack, seen = [], [grad_logits], set()
-    while stack:
-        for user in stack.pop().users:
-            if user not in seen:
-                seen.add(user)
-                if user.target in _VIEW_OPS or user.target is prims.convert_element_type.default:
-                    stack.append(user)
-                elif user.target is projection.target:
-                    matmuls.append(user)
+    views = reachable([grad_logits], lambda n: [u for u in n.users if u.target in _VIEW_OPS
+                                                 or u.target is prims.convert_element_type.default])
+    matmuls = list(dict.fromkeys(u for v in views for u in v.users if u.target is projection.target))
     grads = {}
     for mm in matmuls:
         which = _GRAD_ROLES.get(tuple(role(x) for x in mm.args))

@@ -1,10 +1,12 @@
 """FX graph editing the passes share: inserting a call with the fake value later
-stages read, and finding what a set of nodes reaches."""
+stages read, marking what the partitioner must save, finding what a set of
+nodes reaches, and erasing what a rewrite left dead."""
 from collections.abc import Callable, Iterable
 
 import torch
 from torch._guards import detect_fake_mode
 from torch.fx.node import map_arg
+from torch.utils.checkpoint import CheckpointPolicy
 
 
 def insert_call(graph: torch.fx.Graph, target, args, kwargs=None, fake_mode=None) -> torch.fx.Node:
@@ -32,3 +34,29 @@ def reachable(starts: Iterable[torch.fx.Node], neighbours: Callable[[torch.fx.No
         if node not in stop:
             work.extend(neighbours(node))
     return seen
+
+
+def save_for_backward(*nodes: torch.fx.Node) -> None:
+    """Make AOTAutograd's partitioner save these joint-graph values, never recompute them.
+
+    Our ops' outputs (attention's output and log-sum-exp, the fused
+    cross-entropy's gradients) cost a whole kernel to recompute and little
+    memory to keep; under an activation memory budget the partitioner would
+    otherwise trade them away first. Mark the op and its outputs.
+    """
+    for node in nodes:
+        node.meta["recompute"] = CheckpointPolicy.MUST_SAVE
+
+
+def erase_dead(graph: torch.fx.Graph, roots: Iterable[torch.fx.Node]) -> set[torch.fx.Node]:
+    """Erase the nodes among ``roots`` and their inputs that nothing uses any more; returns them."""
+    work, erased = list(roots), set()
+    while work:
+        n = work.pop()
+        if n in erased or n.op != "call_function" or n.users or n.is_impure():
+            continue
+        inputs = n.all_input_nodes
+        graph.erase_node(n)
+        erased.add(n)
+        work.extend(inputs)
+    return erased

@@ -23,7 +23,6 @@ from collections.abc import Callable, Iterable, Iterator
 
 import torch
 from torch._inductor.custom_graph_pass import CustomGraphPass, get_hash_for_files
-from torch.utils.checkpoint import CheckpointPolicy
 
 from passes import graph_edit
 
@@ -45,7 +44,6 @@ class RegisteredPass:
     name: str
     stage: str
     fn: GraphPassFn
-    description: str
 
     @property
     def source_file(self) -> str:
@@ -69,10 +67,6 @@ class PassReport:
         self.notes.clear()
         self.runs.clear()
 
-    def add(self, other: "PassReport") -> None:
-        self.replacements.update(other.replacements)
-        self.notes.extend(n for n in other.notes if n not in self.notes)
-
     def as_dict(self, names: Iterable[str]) -> dict[str, int]:
         return {name: int(self.replacements.get(name, 0)) for name in names}
 
@@ -88,8 +82,7 @@ def register_pass(name: str, stage: str) -> Callable[[GraphPassFn], GraphPassFn]
     def decorate(fn: GraphPassFn) -> GraphPassFn:
         if name in _PASSES and _PASSES[name].fn is not fn:
             raise ValueError(f"name: a pass named {name!r} is already registered")
-        doc = (inspect.getdoc(fn) or "").split("\n")[0]
-        _PASSES[name] = RegisteredPass(name, stage, fn, doc)
+        _PASSES[name] = RegisteredPass(name, stage, fn)
         return fn
 
     return decorate
@@ -100,18 +93,6 @@ def note(pass_name: str, message: str) -> None:
     entry = f"{pass_name}: {message}"
     if entry not in REPORT.notes:
         REPORT.notes.append(entry)
-
-
-def save_for_backward(*nodes: torch.fx.Node) -> None:
-    """Make AOTAutograd's partitioner save these joint-graph values, never recompute them.
-
-    Our ops' outputs (attention's output and log-sum-exp, the fused
-    cross-entropy's gradients) cost a whole kernel to recompute and little
-    memory to keep; under an activation memory budget the partitioner would
-    otherwise trade them away first. Mark the op and its outputs.
-    """
-    for node in nodes:
-        node.meta["recompute"] = CheckpointPolicy.MUST_SAVE
 
 
 def load_all() -> dict[str, RegisteredPass]:
