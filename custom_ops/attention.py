@@ -19,6 +19,7 @@ import torch
 from torch.utils.flop_counter import register_flop_formula
 import triton
 import triton.language as tl
+from triton.tools.tensor_descriptor import TensorDescriptor
 
 from custom_ops.checks import FLOAT_DTYPES, check_like, check_tensor, require
 
@@ -27,18 +28,12 @@ HEAD_DIMS = (16, 32, 64, 128, 256)
 
 @dataclass(frozen=True)
 class Tiles:
-    """One kernel's launch shape: a query tile, a key tile, warps and pipeline stages.
-
-    warp_specialize (forward only) asks Triton to warp-specialize the unmasked key loop.
-    Off by default: on the H200 it gained nothing measurable (triton 3.6) and fails to
-    compile with 4 warps; the plain pipelined loop is the tested path.
-    """
+    """One kernel's launch shape: a query tile, a key tile, warps and pipeline stages."""
 
     block_m: int
     block_n: int
     num_warps: int
     num_stages: int
-    warp_specialize: bool = False
 
 
 @dataclass(frozen=True)
@@ -53,12 +48,13 @@ class AttnConfig:
 # Hopper (sm_90) configs keyed by (head dim, dtype). Fixed on purpose: autotuning would
 # cost compile time the whole-step budget does not have. The D=64 and D=128 16-bit rows
 # are the winners of `benchmarks/bench_attention.py --sweep` on an H200 (causal bf16,
-# shapes b and a there); the other rows are untimed guesses scaled from them.
+# shapes b and a there; D=128's forward tile re-chosen with TMA loads, where 256 x 64
+# beat 128 x 128 by 10%); the other rows are untimed guesses scaled from them.
 _SM90_16BIT = {
     16: AttnConfig(Tiles(128, 64, 4, 3), Tiles(32, 128, 4, 3), Tiles(128, 64, 4, 3)),
     32: AttnConfig(Tiles(128, 64, 4, 3), Tiles(32, 128, 4, 3), Tiles(128, 64, 4, 3)),
     64: AttnConfig(Tiles(128, 64, 8, 3), Tiles(32, 128, 4, 3), Tiles(128, 64, 8, 4)),
-    128: AttnConfig(Tiles(128, 128, 8, 3), Tiles(64, 128, 8, 3), Tiles(128, 64, 8, 3)),
+    128: AttnConfig(Tiles(256, 64, 8, 3), Tiles(64, 128, 8, 3), Tiles(128, 64, 8, 3)),
     256: AttnConfig(Tiles(64, 64, 4, 2), Tiles(32, 64, 4, 2), Tiles(64, 32, 4, 2)),
 }
 _SM90_FP32 = {
@@ -89,20 +85,17 @@ def pick_config(head_dim: int, dtype: torch.dtype) -> AttnConfig:
 
 
 # --------------------------------------------------------------------------- kernels
+#
+# Every tile of q, k, v, dO and O is read through a TMA tensor descriptor over the
+# [Z, H, S, D] tensor: the copy engine does the address arithmetic and the bounds (rows
+# past S read as zeros), which measured 4-10% faster than pointer loads on the H200
+# (BENCHMARKS.md). Outputs are fresh contiguous tensors, written with masked stores.
 
 
 @triton.jit
-def _load_kv_tile(k_base, v_base, sks, svs, cols, offs_d, SK, MASK: tl.constexpr):
-    """The K and V rows `cols` of one head; bounds-checked unless MASK == 0 (tile inside SK)."""
-    k_ptrs = k_base + cols[:, None] * sks + offs_d[None, :]
-    v_ptrs = v_base + cols[:, None] * svs + offs_d[None, :]
-    if MASK == 0:
-        k = tl.load(k_ptrs)
-        v = tl.load(v_ptrs)
-    else:
-        k = tl.load(k_ptrs, mask=cols[:, None] < SK, other=0.0)
-        v = tl.load(v_ptrs, mask=cols[:, None] < SK, other=0.0)
-    return k, v
+def _tile(desc, z, h, start, ROWS: tl.constexpr, HEAD_D: tl.constexpr):
+    """Rows [start, start + ROWS) of head (z, h); rows past the tensor's end read as zeros."""
+    return desc.load([z, h, start, 0]).reshape(ROWS, HEAD_D)
 
 
 @triton.jit
@@ -111,16 +104,17 @@ def _query_tile(H, BLOCK_M: tl.constexpr):
     axis 1 runs the query tiles last first, so every head's largest causal tile starts first."""
     zh = tl.program_id(0)
     start_m = (tl.num_programs(1) - 1 - tl.program_id(1)) * BLOCK_M
-    return zh, (zh // H).to(tl.int64), (zh % H).to(tl.int64), start_m
+    return zh, zh // H, zh % H, start_m
 
 
 @triton.jit
-def _fwd_inner(acc, l_i, m_i, q, k_base, v_base, sks, svs, rows, offs_n, offs_d, lo, hi, SK, qk_scale,
-               BLOCK_N: tl.constexpr, MASK: tl.constexpr, PREC: tl.constexpr, WS: tl.constexpr):
+def _fwd_inner(acc, l_i, m_i, q, k_desc, v_desc, z, h, rows, offs_n, lo, hi, SK, qk_scale,
+               BLOCK_N: tl.constexpr, HEAD_D: tl.constexpr, MASK: tl.constexpr, PREC: tl.constexpr):
     """Online softmax over key tiles [lo, hi). MASK: 0 none, 1 causal diagonal, 2 key bound."""
-    for start_n in tl.range(lo, hi, BLOCK_N, warp_specialize=WS):
+    for start_n in range(lo, hi, BLOCK_N):
         cols = start_n + offs_n
-        k, v = _load_kv_tile(k_base, v_base, sks, svs, cols, offs_d, SK, MASK)
+        k = _tile(k_desc, z, h, start_n, BLOCK_N, HEAD_D)
+        v = _tile(v_desc, z, h, start_n, BLOCK_N, HEAD_D)
         s = tl.dot(q, tl.trans(k), input_precision=PREC)
         if MASK == 1:
             s = tl.where(rows[:, None] >= cols[None, :], s, float("-inf"))
@@ -137,67 +131,60 @@ def _fwd_inner(acc, l_i, m_i, q, k_base, v_base, sks, svs, rows, offs_n, offs_d,
 
 
 @triton.jit
-def _attn_fwd_kernel(Q, K, V, O, LSE, qk_scale, H, SQ, SK,
-                sqz, sqh, sqs, skz, skh, sks, svz, svh, svs, soz, soh, sos,
-                IS_CAUSAL: tl.constexpr, HEAD_D: tl.constexpr, BLOCK_M: tl.constexpr,
-                BLOCK_N: tl.constexpr, PREC: tl.constexpr, WS: tl.constexpr):
+def _attn_fwd_kernel(q_desc, k_desc, v_desc, O, LSE, qk_scale, H, SQ, SK,
+                     IS_CAUSAL: tl.constexpr, HEAD_D: tl.constexpr, BLOCK_M: tl.constexpr,
+                     BLOCK_N: tl.constexpr, PREC: tl.constexpr):
     zh, z, h, start_m = _query_tile(H, BLOCK_M)
     rows = start_m + tl.arange(0, BLOCK_M)
     offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, HEAD_D)
     row_ok = rows < SQ
-
-    q = tl.load(Q + z * sqz + h * sqh + rows[:, None] * sqs + offs_d[None, :], mask=row_ok[:, None], other=0.0)
-    k_base = K + z * skz + h * skh
-    v_base = V + z * svz + h * svh
+    q = _tile(q_desc, z, h, start_m, BLOCK_M, HEAD_D)
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_D], tl.float32)
     if IS_CAUSAL:
         # Key tiles left of the diagonal need no mask; tiles right of it are never touched.
         diag_lo = (start_m // BLOCK_N) * BLOCK_N
-        acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, k_base, v_base, sks, svs, rows, offs_n, offs_d,
-                                   0, diag_lo, SK, qk_scale, BLOCK_N, 0, PREC, WS)
-        acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, k_base, v_base, sks, svs, rows, offs_n, offs_d,
-                                   diag_lo, tl.minimum(start_m + BLOCK_M, SK), SK, qk_scale, BLOCK_N, 1, PREC, False)
+        acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, k_desc, v_desc, z, h, rows, offs_n, 0, diag_lo, SK,
+                                   qk_scale, BLOCK_N, HEAD_D, 0, PREC)
+        acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, k_desc, v_desc, z, h, rows, offs_n, diag_lo,
+                                   tl.minimum(start_m + BLOCK_M, SK), SK, qk_scale, BLOCK_N, HEAD_D, 1, PREC)
     else:
         full_hi = (SK // BLOCK_N) * BLOCK_N
-        acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, k_base, v_base, sks, svs, rows, offs_n, offs_d,
-                                   0, full_hi, SK, qk_scale, BLOCK_N, 0, PREC, WS)
-        acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, k_base, v_base, sks, svs, rows, offs_n, offs_d,
-                                   full_hi, SK, SK, qk_scale, BLOCK_N, 2, PREC, False)
+        acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, k_desc, v_desc, z, h, rows, offs_n, 0, full_hi, SK,
+                                   qk_scale, BLOCK_N, HEAD_D, 0, PREC)
+        acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, k_desc, v_desc, z, h, rows, offs_n, full_hi, SK, SK,
+                                   qk_scale, BLOCK_N, HEAD_D, 2, PREC)
     out = acc / l_i[:, None]
-    tl.store(O + z * soz + h * soh + rows[:, None] * sos + offs_d[None, :], out.to(O.dtype.element_ty),
+    row_base = zh.to(tl.int64) * SQ
+    tl.store(O + (row_base + rows[:, None]) * HEAD_D + offs_d[None, :], out.to(O.dtype.element_ty),
              mask=row_ok[:, None])
-    tl.store(LSE + zh.to(tl.int64) * SQ + rows, (m_i + tl.math.log2(l_i)) * _LN2, mask=row_ok)
+    tl.store(LSE + row_base + rows, (m_i + tl.math.log2(l_i)) * _LN2, mask=row_ok)
 
 
 @triton.jit
-def _attn_bwd_delta_kernel(O, DO, DELTA, H, SQ, soz, soh, sos, sdz, sdh, sds,
-                      HEAD_D: tl.constexpr, BLOCK_M: tl.constexpr):
+def _attn_bwd_delta_kernel(o_desc, do_desc, DELTA, H, SQ, HEAD_D: tl.constexpr, BLOCK_M: tl.constexpr):
     """delta = rowsum(dO * O), the softmax-backward correction, once per query row."""
     zh = tl.program_id(0)
-    z = (zh // H).to(tl.int64)
-    h = (zh % H).to(tl.int64)
-    rows = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs_d = tl.arange(0, HEAD_D)
-    row_ok = rows < SQ
-    o = tl.load(O + z * soz + h * soh + rows[:, None] * sos + offs_d[None, :], mask=row_ok[:, None], other=0.0)
-    do = tl.load(DO + z * sdz + h * sdh + rows[:, None] * sds + offs_d[None, :], mask=row_ok[:, None], other=0.0)
+    start_m = tl.program_id(1) * BLOCK_M
+    rows = start_m + tl.arange(0, BLOCK_M)
+    o = _tile(o_desc, zh // H, zh % H, start_m, BLOCK_M, HEAD_D)
+    do = _tile(do_desc, zh // H, zh % H, start_m, BLOCK_M, HEAD_D)
     delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), 1)
-    tl.store(DELTA + zh.to(tl.int64) * SQ + rows, delta, mask=row_ok)
+    tl.store(DELTA + zh.to(tl.int64) * SQ + rows, delta, mask=rows < SQ)
 
 
 @triton.jit
-def _dkdv_inner(dk, dv, k, v, q_base, do_base, lse_base, delta_base, sqs, sds, cols, offs_m, offs_d,
-                lo, hi, SQ, qk_scale, BLOCK_M: tl.constexpr, CAUSAL_MASK: tl.constexpr, PREC: tl.constexpr):
+def _dkdv_inner(dk, dv, k, v, q_desc, do_desc, z, h, lse_base, delta_base, cols, offs_m, lo, hi, SQ, qk_scale,
+                BLOCK_M: tl.constexpr, HEAD_D: tl.constexpr, CAUSAL_MASK: tl.constexpr, PREC: tl.constexpr):
     """Accumulate dK, dV of one key tile over query tiles [lo, hi), in transposed (key-major) form."""
     for start_m in range(lo, hi, BLOCK_M):
         rows = start_m + offs_m
         row_ok = rows < SQ
-        # Rows past SQ load as zeros (q, dO, lse, delta), which makes their terms vanish.
-        q = tl.load(q_base + rows[:, None] * sqs + offs_d[None, :], mask=row_ok[:, None], other=0.0)
-        do = tl.load(do_base + rows[:, None] * sds + offs_d[None, :], mask=row_ok[:, None], other=0.0)
+        # Rows past SQ read as zeros (q, dO, lse, delta), which makes their terms vanish.
+        q = _tile(q_desc, z, h, start_m, BLOCK_M, HEAD_D)
+        do = _tile(do_desc, z, h, start_m, BLOCK_M, HEAD_D)
         lse2 = tl.load(lse_base + rows, mask=row_ok, other=0.0) * _LOG2E
         delta = tl.load(delta_base + rows, mask=row_ok, other=0.0)
         p_t = tl.math.exp2(tl.dot(k, tl.trans(q), input_precision=PREC) * qk_scale - lse2[None, :])
@@ -211,25 +198,19 @@ def _dkdv_inner(dk, dv, k, v, q_base, do_base, lse_base, delta_base, sqs, sds, c
 
 
 @triton.jit
-def _attn_bwd_dkdv_kernel(Q, K, V, DO, DK, DV, LSE, DELTA, qk_scale, scale, H, SQ, SK,
-                     sqz, sqh, sqs, skz, skh, sks, svz, svh, svs, sdz, sdh, sds,
-                     sdkz, sdkh, sdks, sdvz, sdvh, sdvs,
-                     IS_CAUSAL: tl.constexpr, HEAD_D: tl.constexpr, BLOCK_M: tl.constexpr,
-                     BLOCK_N: tl.constexpr, PREC: tl.constexpr):
+def _attn_bwd_dkdv_kernel(q_desc, k_desc, v_desc, do_desc, DK, DV, LSE, DELTA, qk_scale, scale, H, SQ, SK,
+                          IS_CAUSAL: tl.constexpr, HEAD_D: tl.constexpr, BLOCK_M: tl.constexpr,
+                          BLOCK_N: tl.constexpr, PREC: tl.constexpr):
     # Each program owns one key tile and loops over the query tiles that can see it; causal
     # work is largest for the first key tiles, which the grid order starts first.
     zh = tl.program_id(0)
+    z, h = zh // H, zh % H
     start_n = tl.program_id(1) * BLOCK_N
-    z = (zh // H).to(tl.int64)
-    h = (zh % H).to(tl.int64)
     cols = start_n + tl.arange(0, BLOCK_N)
     offs_m = tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, HEAD_D)
-    col_ok = cols < SK
-    k = tl.load(K + z * skz + h * skh + cols[:, None] * sks + offs_d[None, :], mask=col_ok[:, None], other=0.0)
-    v = tl.load(V + z * svz + h * svh + cols[:, None] * svs + offs_d[None, :], mask=col_ok[:, None], other=0.0)
-    q_base = Q + z * sqz + h * sqh
-    do_base = DO + z * sdz + h * sdh
+    k = _tile(k_desc, z, h, start_n, BLOCK_N, HEAD_D)
+    v = _tile(v_desc, z, h, start_n, BLOCK_N, HEAD_D)
     lse_base = LSE + zh.to(tl.int64) * SQ
     delta_base = DELTA + zh.to(tl.int64) * SQ
     dk = tl.zeros([BLOCK_N, HEAD_D], tl.float32)
@@ -238,26 +219,27 @@ def _attn_bwd_dkdv_kernel(Q, K, V, DO, DK, DV, LSE, DELTA, qk_scale, scale, H, S
         # Query tiles that straddle the diagonal compare indices; later ones see every key.
         lo = (start_n // BLOCK_M) * BLOCK_M
         mid = lo + tl.cdiv(start_n + BLOCK_N - lo, BLOCK_M) * BLOCK_M
-        dk, dv = _dkdv_inner(dk, dv, k, v, q_base, do_base, lse_base, delta_base, sqs, sds, cols, offs_m,
-                             offs_d, lo, tl.minimum(mid, SQ), SQ, qk_scale, BLOCK_M, True, PREC)
-        dk, dv = _dkdv_inner(dk, dv, k, v, q_base, do_base, lse_base, delta_base, sqs, sds, cols, offs_m,
-                             offs_d, mid, SQ, SQ, qk_scale, BLOCK_M, False, PREC)
+        dk, dv = _dkdv_inner(dk, dv, k, v, q_desc, do_desc, z, h, lse_base, delta_base, cols, offs_m,
+                             lo, tl.minimum(mid, SQ), SQ, qk_scale, BLOCK_M, HEAD_D, True, PREC)
+        dk, dv = _dkdv_inner(dk, dv, k, v, q_desc, do_desc, z, h, lse_base, delta_base, cols, offs_m,
+                             mid, SQ, SQ, qk_scale, BLOCK_M, HEAD_D, False, PREC)
     else:
-        dk, dv = _dkdv_inner(dk, dv, k, v, q_base, do_base, lse_base, delta_base, sqs, sds, cols, offs_m,
-                             offs_d, 0, SQ, SQ, qk_scale, BLOCK_M, False, PREC)
-    tl.store(DK + z * sdkz + h * sdkh + cols[:, None] * sdks + offs_d[None, :], (dk * scale).to(DK.dtype.element_ty),
-             mask=col_ok[:, None])
-    tl.store(DV + z * sdvz + h * sdvh + cols[:, None] * sdvs + offs_d[None, :], dv.to(DV.dtype.element_ty),
-             mask=col_ok[:, None])
+        dk, dv = _dkdv_inner(dk, dv, k, v, q_desc, do_desc, z, h, lse_base, delta_base, cols, offs_m,
+                             0, SQ, SQ, qk_scale, BLOCK_M, HEAD_D, False, PREC)
+    out_rows = zh.to(tl.int64) * SK + cols[:, None]
+    col_ok = cols[:, None] < SK
+    tl.store(DK + out_rows * HEAD_D + offs_d[None, :], (dk * scale).to(DK.dtype.element_ty), mask=col_ok)
+    tl.store(DV + out_rows * HEAD_D + offs_d[None, :], dv.to(DV.dtype.element_ty), mask=col_ok)
 
 
 @triton.jit
-def _dq_inner(dq, q, do, lse2, delta, k_base, v_base, sks, svs, rows, offs_n, offs_d, lo, hi, SK, qk_scale,
-              BLOCK_N: tl.constexpr, MASK: tl.constexpr, PREC: tl.constexpr):
+def _dq_inner(dq, q, do, lse2, delta, k_desc, v_desc, z, h, rows, offs_n, lo, hi, SK, qk_scale,
+              BLOCK_N: tl.constexpr, HEAD_D: tl.constexpr, MASK: tl.constexpr, PREC: tl.constexpr):
     """Accumulate dQ of one query tile over key tiles [lo, hi). MASK as in _fwd_inner."""
     for start_n in range(lo, hi, BLOCK_N):
         cols = start_n + offs_n
-        k, v = _load_kv_tile(k_base, v_base, sks, svs, cols, offs_d, SK, MASK)
+        k = _tile(k_desc, z, h, start_n, BLOCK_N, HEAD_D)
+        v = _tile(v_desc, z, h, start_n, BLOCK_N, HEAD_D)
         p = tl.math.exp2(tl.dot(q, tl.trans(k), input_precision=PREC) * qk_scale - lse2[:, None])
         if MASK == 1:
             p = tl.where(rows[:, None] >= cols[None, :], p, 0.0)
@@ -270,35 +252,33 @@ def _dq_inner(dq, q, do, lse2, delta, k_base, v_base, sks, svs, rows, offs_n, of
 
 
 @triton.jit
-def _attn_bwd_dq_kernel(Q, K, V, DO, DQ, LSE, DELTA, qk_scale, scale, H, SQ, SK,
-                   sqz, sqh, sqs, skz, skh, sks, svz, svh, svs, sdz, sdh, sds, sdqz, sdqh, sdqs,
-                   IS_CAUSAL: tl.constexpr, HEAD_D: tl.constexpr, BLOCK_M: tl.constexpr,
-                   BLOCK_N: tl.constexpr, PREC: tl.constexpr):
+def _attn_bwd_dq_kernel(q_desc, k_desc, v_desc, do_desc, DQ, LSE, DELTA, qk_scale, scale, H, SQ, SK,
+                        IS_CAUSAL: tl.constexpr, HEAD_D: tl.constexpr, BLOCK_M: tl.constexpr,
+                        BLOCK_N: tl.constexpr, PREC: tl.constexpr):
     zh, z, h, start_m = _query_tile(H, BLOCK_M)
     rows = start_m + tl.arange(0, BLOCK_M)
     offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, HEAD_D)
     row_ok = rows < SQ
-    q = tl.load(Q + z * sqz + h * sqh + rows[:, None] * sqs + offs_d[None, :], mask=row_ok[:, None], other=0.0)
-    do = tl.load(DO + z * sdz + h * sdh + rows[:, None] * sds + offs_d[None, :], mask=row_ok[:, None], other=0.0)
-    lse2 = tl.load(LSE + zh.to(tl.int64) * SQ + rows, mask=row_ok, other=0.0) * _LOG2E
-    delta = tl.load(DELTA + zh.to(tl.int64) * SQ + rows, mask=row_ok, other=0.0)
-    k_base = K + z * skz + h * skh
-    v_base = V + z * svz + h * svh
+    q = _tile(q_desc, z, h, start_m, BLOCK_M, HEAD_D)
+    do = _tile(do_desc, z, h, start_m, BLOCK_M, HEAD_D)
+    row_base = zh.to(tl.int64) * SQ
+    lse2 = tl.load(LSE + row_base + rows, mask=row_ok, other=0.0) * _LOG2E
+    delta = tl.load(DELTA + row_base + rows, mask=row_ok, other=0.0)
     dq = tl.zeros([BLOCK_M, HEAD_D], tl.float32)
     if IS_CAUSAL:
         diag_lo = (start_m // BLOCK_N) * BLOCK_N
-        dq = _dq_inner(dq, q, do, lse2, delta, k_base, v_base, sks, svs, rows, offs_n, offs_d,
-                       0, diag_lo, SK, qk_scale, BLOCK_N, 0, PREC)
-        dq = _dq_inner(dq, q, do, lse2, delta, k_base, v_base, sks, svs, rows, offs_n, offs_d,
-                       diag_lo, tl.minimum(start_m + BLOCK_M, SK), SK, qk_scale, BLOCK_N, 1, PREC)
+        dq = _dq_inner(dq, q, do, lse2, delta, k_desc, v_desc, z, h, rows, offs_n, 0, diag_lo, SK, qk_scale,
+                       BLOCK_N, HEAD_D, 0, PREC)
+        dq = _dq_inner(dq, q, do, lse2, delta, k_desc, v_desc, z, h, rows, offs_n, diag_lo,
+                       tl.minimum(start_m + BLOCK_M, SK), SK, qk_scale, BLOCK_N, HEAD_D, 1, PREC)
     else:
         full_hi = (SK // BLOCK_N) * BLOCK_N
-        dq = _dq_inner(dq, q, do, lse2, delta, k_base, v_base, sks, svs, rows, offs_n, offs_d,
-                       0, full_hi, SK, qk_scale, BLOCK_N, 0, PREC)
-        dq = _dq_inner(dq, q, do, lse2, delta, k_base, v_base, sks, svs, rows, offs_n, offs_d,
-                       full_hi, SK, SK, qk_scale, BLOCK_N, 2, PREC)
-    tl.store(DQ + z * sdqz + h * sdqh + rows[:, None] * sdqs + offs_d[None, :], (dq * scale).to(DQ.dtype.element_ty),
+        dq = _dq_inner(dq, q, do, lse2, delta, k_desc, v_desc, z, h, rows, offs_n, 0, full_hi, SK, qk_scale,
+                       BLOCK_N, HEAD_D, 0, PREC)
+        dq = _dq_inner(dq, q, do, lse2, delta, k_desc, v_desc, z, h, rows, offs_n, full_hi, SK, SK, qk_scale,
+                       BLOCK_N, HEAD_D, 2, PREC)
+    tl.store(DQ + (row_base + rows[:, None]) * HEAD_D + offs_d[None, :], (dq * scale).to(DQ.dtype.element_ty),
              mask=row_ok[:, None])
 
 
@@ -306,13 +286,16 @@ def _attn_bwd_dq_kernel(Q, K, V, DO, DQ, LSE, DELTA, qk_scale, scale, H, SQ, SK,
 
 
 def _as_4d(t: torch.Tensor) -> torch.Tensor:
-    """[N, S, D] -> [1, N, S, D]; the kernels index rows through strides, so the last dim must be dense."""
+    """[N, S, D] -> [1, N, S, D], copied to a dense tensor when its layout cannot back a TMA
+    descriptor (last dim strided, or a start or row stride not 16-byte aligned)."""
     t = t if t.dim() == 4 else t.unsqueeze(0)
-    return t if t.stride(-1) == 1 else t.contiguous()
+    aligned = t.data_ptr() % 16 == 0 and all(s * t.element_size() % 16 == 0 for s in t.stride()[:-1])
+    return t if t.stride(-1) == 1 and aligned else t.contiguous()
 
 
-def _strides(t: torch.Tensor) -> tuple[int, int, int]:
-    return t.stride(0), t.stride(1), t.stride(2)
+def _desc(t: torch.Tensor, rows: int) -> TensorDescriptor:
+    """A descriptor reading [rows, D] tiles of one (batch, head) of a 4-d tensor."""
+    return TensorDescriptor(t, list(t.shape), list(t.stride()), [1, 1, rows, t.shape[-1]])
 
 
 def _precision(dtype: torch.dtype) -> str:
@@ -328,11 +311,9 @@ def triton_fwd(q, k, v, is_causal: bool, scale: float, config: AttnConfig | None
     t = (config or pick_config(D, q.dtype)).fwd
     out = torch.empty((Z, H, SQ, D), dtype=q.dtype, device=q.device)
     lse = torch.empty((Z, H, SQ), dtype=torch.float32, device=q.device)
-    grid = (Z * H, triton.cdiv(SQ, t.block_m))
-    _attn_fwd_kernel[grid](
-        q4, k4, v4, out, lse, scale * LOG2E, H, SQ, SK,
-        *_strides(q4), *_strides(k4), *_strides(v4), *_strides(out),
-        IS_CAUSAL=is_causal, HEAD_D=D, BLOCK_M=t.block_m, BLOCK_N=t.block_n, PREC=_precision(q.dtype), WS=t.warp_specialize,
+    _attn_fwd_kernel[(Z * H, triton.cdiv(SQ, t.block_m))](
+        _desc(q4, t.block_m), _desc(k4, t.block_n), _desc(v4, t.block_n), out, lse, scale * LOG2E, H, SQ, SK,
+        IS_CAUSAL=is_causal, HEAD_D=D, BLOCK_M=t.block_m, BLOCK_N=t.block_n, PREC=_precision(q.dtype),
         num_warps=t.num_warps, num_stages=t.num_stages,
     )
     return out.view(q.shape), lse.view(q.shape[:-1])
@@ -352,22 +333,18 @@ def triton_bwd(dout, q, k, v, out, lse, is_causal: bool, scale: float, config: A
     prec = _precision(q.dtype)
 
     _attn_bwd_delta_kernel[(Z * H, triton.cdiv(SQ, DELTA_BLOCK_M))](
-        o4, do4, delta, H, SQ, *_strides(o4), *_strides(do4), HEAD_D=D, BLOCK_M=DELTA_BLOCK_M,
+        _desc(o4, DELTA_BLOCK_M), _desc(do4, DELTA_BLOCK_M), delta, H, SQ, HEAD_D=D, BLOCK_M=DELTA_BLOCK_M,
     )
-    t = cfg.dkdv
-    _attn_bwd_dkdv_kernel[(Z * H, triton.cdiv(SK, t.block_n))](
-        q4, k4, v4, do4, dk, dv, lse, delta, scale * LOG2E, scale, H, SQ, SK,
-        *_strides(q4), *_strides(k4), *_strides(v4), *_strides(do4), *_strides(dk), *_strides(dv),
-        IS_CAUSAL=is_causal, HEAD_D=D, BLOCK_M=t.block_m, BLOCK_N=t.block_n, PREC=prec,
-        num_warps=t.num_warps, num_stages=t.num_stages,
-    )
-    t = cfg.dq
-    _attn_bwd_dq_kernel[(Z * H, triton.cdiv(SQ, t.block_m))](
-        q4, k4, v4, do4, dq, lse, delta, scale * LOG2E, scale, H, SQ, SK,
-        *_strides(q4), *_strides(k4), *_strides(v4), *_strides(do4), *_strides(dq),
-        IS_CAUSAL=is_causal, HEAD_D=D, BLOCK_M=t.block_m, BLOCK_N=t.block_n, PREC=prec,
-        num_warps=t.num_warps, num_stages=t.num_stages,
-    )
+    for t, kernel, grid, outputs in (
+        (cfg.dkdv, _attn_bwd_dkdv_kernel, (Z * H, triton.cdiv(SK, cfg.dkdv.block_n)), (dk, dv)),
+        (cfg.dq, _attn_bwd_dq_kernel, (Z * H, triton.cdiv(SQ, cfg.dq.block_m)), (dq,)),
+    ):
+        kernel[grid](
+            _desc(q4, t.block_m), _desc(k4, t.block_n), _desc(v4, t.block_n), _desc(do4, t.block_m), *outputs, lse, delta,
+            scale * LOG2E, scale, H, SQ, SK,
+            IS_CAUSAL=is_causal, HEAD_D=D, BLOCK_M=t.block_m, BLOCK_N=t.block_n, PREC=prec,
+            num_warps=t.num_warps, num_stages=t.num_stages,
+        )
     return dq.view(q.shape), dk.view(k.shape), dv.view(v.shape)
 
 

@@ -174,6 +174,16 @@ def test_triton_kernels_interpreted(scalar_loop_bounds, b, h, sq, sk, d, causal,
         assert_close((out, lse, dq, dk, dv), ref, dtype)
 
 
+def test_tma_layouts_kept_or_copied():
+    """Views a TMA descriptor can read are passed as they are; others become dense copies."""
+    transposed = make((2, 3, 40, 32), torch.float16, "cpu", "transposed")
+    assert A._as_4d(transposed).data_ptr() == transposed.data_ptr()  # head split: strides aligned
+    odd_rows = torch.randn(1, 2, 8, 17)[..., 1:]  # row stride 68 bytes, start 4 bytes in
+    dense = A._as_4d(odd_rows)
+    assert dense.is_contiguous() and torch.equal(dense, odd_rows)
+    assert A._as_4d(torch.randn(3, 8, 16)).shape == (1, 3, 8, 16)
+
+
 # --------------------------------------------------------------------------- bad input
 
 
