@@ -143,19 +143,14 @@ def _attn_fwd_kernel(q_desc, k_desc, v_desc, O, LSE, qk_scale, H, SQ, SK,
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_D], tl.float32)
-    if IS_CAUSAL:
-        # Key tiles left of the diagonal need no mask; tiles right of it are never touched.
-        diag_lo = (start_m // BLOCK_N) * BLOCK_N
-        acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, k_desc, v_desc, z, h, rows, offs_n, 0, diag_lo, SK,
-                                   qk_scale, BLOCK_N, HEAD_D, 0, PREC)
-        acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, k_desc, v_desc, z, h, rows, offs_n, diag_lo,
-                                   tl.minimum(start_m + BLOCK_M, SK), SK, qk_scale, BLOCK_N, HEAD_D, 1, PREC)
-    else:
-        full_hi = (SK // BLOCK_N) * BLOCK_N
-        acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, k_desc, v_desc, z, h, rows, offs_n, 0, full_hi, SK,
-                                   qk_scale, BLOCK_N, HEAD_D, 0, PREC)
-        acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, k_desc, v_desc, z, h, rows, offs_n, full_hi, SK, SK,
-                                   qk_scale, BLOCK_N, HEAD_D, 2, PREC)
+    # Key tiles [0, split) need no mask. Causal: split is the diagonal's first tile and tiles past
+    # the query tile's last row are never touched; else split is the last whole tile of SK.
+    split = (start_m // BLOCK_N) * BLOCK_N if IS_CAUSAL else (SK // BLOCK_N) * BLOCK_N
+    acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, k_desc, v_desc, z, h, rows, offs_n, 0, split, SK, qk_scale,
+                               BLOCK_N, HEAD_D, 0, PREC)
+    hi = tl.minimum(start_m + BLOCK_M, SK) if IS_CAUSAL else SK
+    acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, k_desc, v_desc, z, h, rows, offs_n, split, hi, SK, qk_scale,
+                               BLOCK_N, HEAD_D, 1 if IS_CAUSAL else 2, PREC)
     out = acc / l_i[:, None]
     row_base = zh.to(tl.int64) * SQ
     tl.store(O + (row_base + rows[:, None]) * HEAD_D + offs_d[None, :], out.to(O.dtype.element_ty),
@@ -221,11 +216,10 @@ def _attn_bwd_dkdv_kernel(q_desc, k_desc, v_desc, do_desc, DK, DV, LSE, DELTA, q
         mid = lo + tl.cdiv(start_n + BLOCK_N - lo, BLOCK_M) * BLOCK_M
         dk, dv = _dkdv_inner(dk, dv, k, v, q_desc, do_desc, z, h, lse_base, delta_base, cols, offs_m,
                              lo, tl.minimum(mid, SQ), SQ, qk_scale, BLOCK_M, HEAD_D, True, PREC)
-        dk, dv = _dkdv_inner(dk, dv, k, v, q_desc, do_desc, z, h, lse_base, delta_base, cols, offs_m,
-                             mid, SQ, SQ, qk_scale, BLOCK_M, HEAD_D, False, PREC)
     else:
-        dk, dv = _dkdv_inner(dk, dv, k, v, q_desc, do_desc, z, h, lse_base, delta_base, cols, offs_m,
-                             0, SQ, SQ, qk_scale, BLOCK_M, HEAD_D, False, PREC)
+        mid = 0
+    dk, dv = _dkdv_inner(dk, dv, k, v, q_desc, do_desc, z, h, lse_base, delta_base, cols, offs_m,
+                         mid, SQ, SQ, qk_scale, BLOCK_M, HEAD_D, False, PREC)
     out_rows = zh.to(tl.int64) * SK + cols[:, None]
     col_ok = cols[:, None] < SK
     tl.store(DK + out_rows * HEAD_D + offs_d[None, :], (dk * scale).to(DK.dtype.element_ty), mask=col_ok)
@@ -266,18 +260,12 @@ def _attn_bwd_dq_kernel(q_desc, k_desc, v_desc, do_desc, DQ, LSE, DELTA, qk_scal
     lse2 = tl.load(LSE + row_base + rows, mask=row_ok, other=0.0) * _LOG2E
     delta = tl.load(DELTA + row_base + rows, mask=row_ok, other=0.0)
     dq = tl.zeros([BLOCK_M, HEAD_D], tl.float32)
-    if IS_CAUSAL:
-        diag_lo = (start_m // BLOCK_N) * BLOCK_N
-        dq = _dq_inner(dq, q, do, lse2, delta, k_desc, v_desc, z, h, rows, offs_n, 0, diag_lo, SK, qk_scale,
-                       BLOCK_N, HEAD_D, 0, PREC)
-        dq = _dq_inner(dq, q, do, lse2, delta, k_desc, v_desc, z, h, rows, offs_n, diag_lo,
-                       tl.minimum(start_m + BLOCK_M, SK), SK, qk_scale, BLOCK_N, HEAD_D, 1, PREC)
-    else:
-        full_hi = (SK // BLOCK_N) * BLOCK_N
-        dq = _dq_inner(dq, q, do, lse2, delta, k_desc, v_desc, z, h, rows, offs_n, 0, full_hi, SK, qk_scale,
-                       BLOCK_N, HEAD_D, 0, PREC)
-        dq = _dq_inner(dq, q, do, lse2, delta, k_desc, v_desc, z, h, rows, offs_n, full_hi, SK, SK, qk_scale,
-                       BLOCK_N, HEAD_D, 2, PREC)
+    split = (start_m // BLOCK_N) * BLOCK_N if IS_CAUSAL else (SK // BLOCK_N) * BLOCK_N  # as in the forward
+    dq = _dq_inner(dq, q, do, lse2, delta, k_desc, v_desc, z, h, rows, offs_n, 0, split, SK, qk_scale,
+                   BLOCK_N, HEAD_D, 0, PREC)
+    hi = tl.minimum(start_m + BLOCK_M, SK) if IS_CAUSAL else SK
+    dq = _dq_inner(dq, q, do, lse2, delta, k_desc, v_desc, z, h, rows, offs_n, split, hi, SK, qk_scale,
+                   BLOCK_N, HEAD_D, 1 if IS_CAUSAL else 2, PREC)
     tl.store(DQ + (row_base + rows[:, None]) * HEAD_D + offs_d[None, :], (dq * scale).to(DQ.dtype.element_ty),
              mask=row_ok[:, None])
 
