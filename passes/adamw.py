@@ -46,7 +46,7 @@ from torch._subclasses.fake_tensor import unset_fake_temporarily
 from torch.fx.node import map_arg
 
 import custom_ops.adamw  # noqa: F401  (registers torch.ops.cstack.fused_adamw_)
-from passes.graph_edit import insert_call, reachable
+from passes.graph_edit import erase_dead, fake_value, insert_call, reachable
 from passes.registry import note, register_pass
 
 aten = torch.ops.aten
@@ -90,14 +90,9 @@ def _allowed(node: Node) -> bool:
     return name is not None and name.removeprefix("_foreach_") in _ELEMENTWISE
 
 
-def _val(node: Node, index: int | None = None):
-    val = node.meta.get("val")
-    return val[index] if index is not None and isinstance(val, (list, tuple)) else val
-
-
 def _is_data(node: Node) -> bool:
     """A tensor input of rank >= 1 (parameter, gradient, moment); rank-0 inputs and numbers are scalars."""
-    val = _val(node)
+    val = fake_value(node)
     return node.op == "placeholder" and isinstance(val, torch.Tensor) and val.dim() >= 1
 
 
@@ -186,7 +181,7 @@ def _find_chains(graph: Graph, flow: _Flow) -> list[_Chain]:
         if len(scalars) > 1 or taken & {p, g, m, v}:
             note(NAME, f"left {p.name} alone: reads several scalar inputs or shares inputs with another update")
             continue
-        shapes = {tuple(_val(x).shape) for x in (p, g, m, v)}
+        shapes = {tuple(fake_value(x).shape) for x in (p, g, m, v)}
         if len(shapes) != 1:
             note(NAME, f"left {p.name} alone: param, grad and moments differ in shape")
             continue
@@ -197,12 +192,12 @@ def _find_chains(graph: Graph, flow: _Flow) -> list[_Chain]:
 
 def _elementwise(chain: _Chain, flow: _Flow) -> bool:
     """Every value of the chain is a whitelisted elementwise op; data-dependent ones have the param's shape."""
-    shape = tuple(_val(chain.p).shape)
+    shape = tuple(fake_value(chain.p).shape)
     for node, index in chain.values:
         if not _allowed(node):
             note(NAME, f"left {chain} alone: {node.name} ({node.target}) is not an elementwise update op")
             return False
-        val = _val(node, index)
+        val = fake_value(node, index)
         if flow.reach(node, index)[0] and not (isinstance(val, torch.Tensor) and tuple(val.shape) == shape):
             note(NAME, f"left {chain} alone: {node.name} is not shaped like the parameter")
             return False
@@ -339,7 +334,7 @@ def _prove(chains: list[_Chain], graph: Graph, flow: _Flow, order) -> list[_Chai
                 continue
             if _is_data(node):
                 inputs[node] = values[roles[node]] if node in roles else torch.ones_like(values["p"])
-            elif isinstance(_val(node), torch.Tensor):
+            elif isinstance(fake_value(node), torch.Tensor):
                 inputs[node] = torch.tensor(float(step), dtype=torch.float64)
             else:
                 inputs[node] = step
@@ -417,7 +412,7 @@ def _isolated(chain: _Chain, flow: _Flow, order, insert_at: Node) -> bool:
 
 def _step_f32(add, step: Node, device) -> Node:
     """t as a 0-d float32 tensor: a tensor is cast, a SymInt/SymFloat becomes a tensor on ``device``."""
-    val = _val(step)
+    val = fake_value(step)
     if isinstance(val, torch.Tensor):
         if val.dtype == torch.float32:
             return step
@@ -429,7 +424,7 @@ def _fuse(graph: Graph, group: list[_Chain], fake_mode) -> Node:
     """Insert one fused call for ``group`` (at the graph's insertion point); returns the call node."""
     add = functools.partial(insert_call, graph, fake_mode=fake_mode)
     beta1, beta2, lr, weight_decay, eps, torch_semantics = group[0].coefficients
-    device = _val(group[0].p).device
+    device = fake_value(group[0].p).device
     lr_node = add(aten.scalar_tensor.default, (lr,), {"dtype": torch.float32, "device": device})
     steps = list(dict.fromkeys(c.step for c in group))
     if steps == [None]:
@@ -467,7 +462,7 @@ def fuse_adamw(graph: Graph) -> int:
     for chain in chains:
         groups.setdefault((chain.coefficients, chain.step is None), []).append(chain)
 
-    placeholders = [n.meta.get("val") for n in graph.nodes if n.op == "placeholder"]
+    placeholders = [fake_value(n) for n in graph.nodes if n.op == "placeholder"]
     fake_mode = torch._guards.detect_fake_mode(placeholders)
     fused = []
     for group in groups.values():
@@ -484,8 +479,5 @@ def fuse_adamw(graph: Graph) -> int:
     for chain in (c for group in fused for c in group):
         for x in (chain.p, chain.m, chain.v):
             graph.erase_node(chain.copies[x])
-    dead = set().union(*(c.nodes for group in fused for c in group))
-    for node in sorted(dead, key=order.__getitem__, reverse=True):
-        if not node.users and not node.is_impure():
-            graph.erase_node(node)
+    erase_dead(graph, set().union(*(c.nodes for group in fused for c in group)))
     return len(fused)

@@ -36,7 +36,7 @@ from torch.fx.operator_schemas import normalize_function
 
 import custom_ops.attention  # noqa: F401  (registers torch.ops.cstack.flash_attention_*)
 from custom_ops.attention import HEAD_DIMS
-from passes.graph_edit import erase_dead, insert_call, reachable, save_for_backward
+from passes.graph_edit import erase_dead, fake_value, insert_call, reachable, save_for_backward
 from passes.registry import note, register_pass
 
 aten, prims = torch.ops.aten, torch.ops.prims
@@ -140,7 +140,7 @@ def _pointwise(x, y, fn):
 
 
 def _shape(node):
-    val = node.meta.get("val") if isinstance(node, torch.fx.Node) else None
+    val = fake_value(node)
     return tuple(val.shape) if isinstance(val, torch.Tensor) else None
 
 

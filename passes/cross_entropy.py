@@ -45,7 +45,7 @@ from torch._inductor.fx_passes.post_grad import remove_noop_ops
 from torch._inductor.pattern_matcher import gen_pattern, joint_fwd_bwd, stable_topological_sort
 
 import custom_ops.linear_cross_entropy  # noqa: F401  (registers torch.ops.cstack.linear_cross_entropy_fwd)
-from passes.graph_edit import insert_call, reachable, save_for_backward
+from passes.graph_edit import fake_value, insert_call, reachable, save_for_backward
 from passes.registry import note, register_pass
 
 aten = torch.ops.aten
@@ -166,7 +166,7 @@ def _layout(node, allow_convert=False, stop=None):
     shapes are symbolic or the chain does not replay.
     """
     base, chain = _through_views(node, allow_convert, stop)
-    val = base.meta.get("val")
+    val = fake_value(base)
     if not isinstance(val, torch.Tensor) or not all(isinstance(s, int) for s in val.shape):
         return base, None
     t = torch.empty(val.shape, device="meta")
@@ -202,10 +202,6 @@ def _is_reshape_of(node, base, rows, cols, allow_convert):
     return _matrix(layout) == ((rows, cols), (cols, 1), 0)
 
 
-def _val(node):
-    return node.meta.get("val") if isinstance(node, torch.fx.Node) else None
-
-
 # --- matching -------------------------------------------------------------------
 
 
@@ -213,7 +209,7 @@ def _dims_ok(match_nodes):
     """Reductions, gathers and scatters of the loss act on the vocabulary dim of 2-D tensors."""
     for n in match_nodes:
         if n.target in _DIM_OPS:
-            source = _val(n.args[0])
+            source = fake_value(n.args[0])
             dims = n.args[1] if isinstance(n.args[1], (list, tuple)) else [n.args[1]]
             if source is None or source.dim() != 2 or [d % 2 for d in dims] != [1]:  # dim 1 or -1
                 return False
@@ -234,14 +230,14 @@ def _ignore_index(match_nodes, targets, has_ignore):
 
 def _projection(logits):
     """The matmul whose output ``logits`` reshapes (views, upcast only); None otherwise."""
-    val = _val(logits)
+    val = fake_value(logits)
     if not isinstance(val, torch.Tensor) or val.dim() != 2:
         return None
     base, chain = _through_views(logits, allow_convert=True)
     if base.op != "call_function" or base.target not in _MATMULS:
         return None
     for n in chain:
-        if n.target is prims.convert_element_type.default and n.args[1].itemsize < _val(base).dtype.itemsize:
+        if n.target is prims.convert_element_type.default and n.args[1].itemsize < fake_value(base).dtype.itemsize:
             return None
     T, V = val.shape
     return base if _is_reshape_of(logits, base, T, V, allow_convert=True) else None
@@ -341,8 +337,8 @@ def _find(graph):
 
 def _reject(m, projection, logits, targets, tangent, ignore_index):
     """Why a matched loss cannot become the op (None if it can)."""
-    T = _val(logits).shape[0]
-    t, g = _val(targets), _val(tangent)
+    T = fake_value(logits).shape[0]
+    t, g = fake_value(targets), fake_value(tangent)
     if t is None or t.dtype != torch.int64 or tuple(t.shape) != (T,):
         return "targets are not an int64 [T] tensor"
     if g is None or g.dim() != 0:
@@ -351,7 +347,7 @@ def _reject(m, projection, logits, targets, tangent, ignore_index):
         return "it reduces over a dim other than the vocabulary"
     if ignore_index is None:
         return "its ignore_index is not one constant"
-    a, b = (_val(x) for x in projection.args)
+    a, b = (fake_value(x) for x in projection.args)
     if a.dtype != b.dtype or a.dtype not in (torch.float16, torch.bfloat16, torch.float32):
         return f"the projection's dtype {a.dtype} is not supported"
     return None
@@ -380,15 +376,15 @@ def _rewrite(graph, c):
 
     a, b = c["projection"].args
     with graph.inserting_before(c["loss"]):
-        hidden = a if _val(a).dim() == 2 else emit(aten.squeeze.dim, a, 0)
-        b2 = b if _val(b).dim() == 2 else emit(aten.squeeze.dim, b, 0)
+        hidden = a if fake_value(a).dim() == 2 else emit(aten.squeeze.dim, a, 0)
+        b2 = b if fake_value(b).dim() == 2 else emit(aten.squeeze.dim, b, 0)
         weight = emit(aten.permute.default, b2, [1, 0])
         out = emit(torch.ops.cstack.linear_cross_entropy_fwd.default, hidden, weight, c["targets"],
                    c["ignore_index"], c["reduction"])
         loss, grad_hidden, grad_weight = (emit(operator.getitem, out, i) for i in range(3))
         save_for_backward(out, loss, grad_hidden, grad_weight)
-        if _val(loss).dtype != _val(c["loss"]).dtype:
-            loss = emit(prims.convert_element_type.default, loss, _val(c["loss"]).dtype)
+        if fake_value(loss).dtype != fake_value(c["loss"]).dtype:
+            loss = emit(prims.convert_element_type.default, loss, fake_value(c["loss"]).dtype)
     c["loss"].replace_all_uses_with(loss)
     for which, (node, transposed) in c["grads"].items():
         grad = grad_hidden if which == "hidden" else grad_weight
@@ -396,7 +392,7 @@ def _rewrite(graph, c):
             new = emit(aten.mul.Tensor, grad, c["tangent"])
             if transposed:
                 new = emit(aten.permute.default, new, [1, 0])
-            if _val(node).dim() == 3:
+            if fake_value(node).dim() == 3:
                 new = emit(aten.unsqueeze.default, new, 0)
         node.replace_all_uses_with(new)
 

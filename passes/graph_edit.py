@@ -1,6 +1,6 @@
-"""FX graph editing the passes share: inserting a call with the fake value later
-stages read, marking what the partitioner must save, finding what a set of
-nodes reaches, and erasing what a rewrite left dead."""
+"""FX graph editing the passes share: reading a node's fake value, inserting a
+call with the fake value later stages read, marking what the partitioner must
+save, finding what a set of nodes reaches, and erasing what a rewrite left dead."""
 from collections.abc import Callable, Iterable
 
 import torch
@@ -9,12 +9,19 @@ from torch.fx.node import map_arg
 from torch.utils.checkpoint import CheckpointPolicy
 
 
+def fake_value(node, index: int | None = None):
+    """The value tracing recorded for ``node`` (a fake tensor, a SymInt, a tuple of them...),
+    element ``index`` of a tuple-valued node; None for constants and untraced nodes."""
+    val = node.meta.get("val") if isinstance(node, torch.fx.Node) else None
+    return val[index] if index is not None and isinstance(val, (list, tuple)) else val
+
+
 def insert_call(graph: torch.fx.Graph, target, args, kwargs=None, fake_mode=None) -> torch.fx.Node:
     """A call node at the graph's insert point, with ``meta['val']`` computed from its arguments'
     fake values (the partitioner and Inductor read it), under ``fake_mode`` or the arguments' own.
     Without a fake mode, as in a graph traced without fake values, the node gets no value."""
     node = graph.call_function(target, tuple(args), kwargs or {})
-    fake_args, fake_kwargs = map_arg((node.args, node.kwargs), lambda n: n.meta.get("val"))
+    fake_args, fake_kwargs = map_arg((node.args, node.kwargs), fake_value)
     fake_mode = fake_mode or detect_fake_mode((fake_args, fake_kwargs))
     if fake_mode is not None:
         with fake_mode:
