@@ -3,7 +3,12 @@
 CPU tests cover the torch path (through the ops and autograd); interpreter tests call
 the Triton launchers on tiny CPU tensors; GPU tests run the Triton kernels in bf16/fp16.
 """
+import json
 import math
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -182,6 +187,22 @@ def test_tma_layouts_kept_or_copied():
     dense = A._as_4d(odd_rows)
     assert dense.is_contiguous() and torch.equal(dense, odd_rows)
     assert A._as_4d(torch.randn(3, 8, 16)).shape == (1, 3, 8, 16)
+
+
+HOPPER_SHARED_BYTES = 232_448  # 227 KiB: the most shared memory one thread block gets on an H100/H200
+
+
+@pytest.mark.slow
+def test_tile_table_compiles_for_hopper():
+    """Every 16-bit tile-table kernel compiles for sm_90 and fits an SM's shared memory (CPU only)."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    script = Path(__file__).with_name("sm90_compile.py")
+    result = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    shared = json.loads(result.stdout.splitlines()[-1])
+    assert len(shared) == 3 * len(A.HEAD_DIMS) and all(v > 0 for v in shared.values())
+    over = {k: v for k, v in shared.items() if v > HOPPER_SHARED_BYTES}
+    assert not over, f"these tile configs need more shared memory than an SM has: {over}"
 
 
 # --------------------------------------------------------------------------- bad input

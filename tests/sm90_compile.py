@@ -1,0 +1,56 @@
+"""Compile the attention kernels of the 16-bit tile table for Hopper (sm_90) on the CPU.
+
+    python tests/sm90_compile.py  ->  one JSON line: {"<kernel> D<d>": shared-memory bytes, ...}
+
+Triton's compiler and the ptxas it ships run without a GPU, so CPU CI can catch what the
+interpreter cannot: a kernel that does not compile for the GPU, or a tile config whose
+pipeline needs more shared memory than an SM has. Run as its own process because the
+test session defines the kernels in interpreter mode.
+"""
+import json
+import os
+import sys
+
+import torch
+import triton
+import triton.compiler as tc
+from triton.backends.compiler import GPUTarget
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+from custom_ops import attention as A  # noqa: E402
+
+
+def _desc(rows: int, d: int) -> str:
+    return f"tensordesc<bf16[1,1,{rows},{d}]>"
+
+
+def kernel_sources(d: int):
+    """(name, ASTSource, tiles) of the causal bf16 forward, dK/dV and dQ kernels for head dim d."""
+    cfg = A.CONFIGS[(d, torch.bfloat16)]
+    scalars = {"qk_scale": "fp32", "H": "i32", "SQ": "i32", "SK": "i32"}
+    for name, fn, outputs in (("fwd", A._attn_fwd_kernel, ("O",)), ("dkdv", A._attn_bwd_dkdv_kernel, ("DK", "DV")),
+                              ("dq", A._attn_bwd_dq_kernel, ("DQ",))):
+        t = getattr(cfg, name)
+        sig = {"q_desc": _desc(t.block_m, d), "k_desc": _desc(t.block_n, d), "v_desc": _desc(t.block_n, d)}
+        if name != "fwd":
+            sig["do_desc"] = _desc(t.block_m, d)
+        sig.update({o: "*bf16" for o in outputs})
+        sig.update({"LSE": "*fp32"} if name == "fwd" else {"LSE": "*fp32", "DELTA": "*fp32", "scale": "fp32"})
+        sig.update(scalars)
+        constexprs = {"IS_CAUSAL": True, "HEAD_D": d, "BLOCK_M": t.block_m, "BLOCK_N": t.block_n, "PREC": "tf32"}
+        sig.update({k: "constexpr" for k in constexprs})
+        yield name, tc.ASTSource(fn=fn, signature=sig, constexprs=constexprs), t
+
+
+def main() -> None:
+    shared = {}
+    for d in A.HEAD_DIMS:
+        for name, src, t in kernel_sources(d):
+            kernel = triton.compile(src, target=GPUTarget("cuda", 90, 32),
+                                    options={"num_warps": t.num_warps, "num_stages": t.num_stages})
+            shared[f"{name} D{d}"] = kernel.metadata.shared
+    print(json.dumps(shared))
+
+
+if __name__ == "__main__":
+    main()
