@@ -281,7 +281,7 @@ _lib.define(
 
 
 def _linear_cross_entropy_composite(hidden, weight, targets, ignore_index, reduction):
-    _check_args(hidden, weight, targets, ignore_index, reduction)
+    # The fwd op (and its fake) checks the arguments, before any device work.
     return _LinearCrossEntropy.apply(hidden, weight, targets, ignore_index, reduction)
 
 
