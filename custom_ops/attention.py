@@ -275,9 +275,10 @@ def _attn_bwd_dq_kernel(q_desc, k_desc, v_desc, do_desc, DQ, LSE, DELTA, qk_scal
 
 def _as_4d(t: torch.Tensor) -> torch.Tensor:
     """[N, S, D] -> [1, N, S, D], copied to a dense tensor when its layout cannot back a TMA
-    descriptor (last dim strided, or a start or row stride not 16-byte aligned)."""
+    descriptor: last dim strided, a start or stride not 16-byte aligned, or a broadcast
+    (stride 0) dim, which the copy engine's tensor maps do not take."""
     t = t if t.dim() == 4 else t.unsqueeze(0)
-    aligned = t.data_ptr() % 16 == 0 and all(s * t.element_size() % 16 == 0 for s in t.stride()[:-1])
+    aligned = t.data_ptr() % 16 == 0 and all(s > 0 and s * t.element_size() % 16 == 0 for s in t.stride()[:-1])
     return t if t.stride(-1) == 1 and aligned else t.contiguous()
 
 

@@ -187,6 +187,18 @@ def test_tma_layouts_kept_or_copied():
     dense = A._as_4d(odd_rows)
     assert dense.is_contiguous() and torch.equal(dense, odd_rows)
     assert A._as_4d(torch.randn(3, 8, 16)).shape == (1, 3, 8, 16)
+    shared_heads = torch.randn(2, 1, 8, 16).expand(2, 4, 8, 16)  # one K for 4 heads, stride 0
+    assert A._as_4d(shared_heads).stride(1) == 8 * 16
+
+
+@pytest.mark.skipif(not INTERPRETER, reason="interpreter run of the kernels (CPU only)")
+def test_triton_kernels_broadcast_heads(scalar_loop_bounds):
+    """K and V shared by all heads (an expanded, stride-0 head dim) read like any other layout."""
+    q, dout = torch.randn(1, 3, 20, 16), torch.randn(1, 3, 20, 16)
+    k, v = (torch.randn(1, 1, 20, 16).expand(1, 3, 20, 16) for _ in range(2))
+    out, lse = A.triton_fwd(q, k, v, True, 0.25)
+    grads = A.triton_bwd(dout, q, k, v, out, lse, True, 0.25)
+    assert_close((out, lse, *grads), reference(q, k, v, dout, True, 0.25), torch.float32)
 
 
 HOPPER_SHARED_BYTES = 232_448  # 227 KiB: the most shared memory one thread block gets on an H100/H200
