@@ -229,12 +229,12 @@ def profile_overlap(step_fn: Callable[[], object]) -> dict | None:
         return None
     from torch.autograd import DeviceType
 
-    from compile_stack.profiling import record
+    from compile_stack.profiling import categorize, record
 
     comm, compute = [], []
     for event in record(step_fn).events():
         if event.device_type == DeviceType.CUDA and event.time_range.end > event.time_range.start:
-            kind = comm if "nccl" in event.name.lower() else compute
+            kind = comm if categorize(event.name) == "communication" else compute
             kind.append((event.time_range.start, event.time_range.end))
     stats = interval_overlap(comm, compute)
     result = {f"{k}_ms": round(v / 1e3, 3) for k, v in stats.items() if k != "hidden_fraction"}
