@@ -75,8 +75,13 @@ def parse_args(argv=None) -> argparse.Namespace:
     return args
 
 
+def is_rank0() -> bool:
+    """Whether this process prints and writes files: the only one, or torchrun's rank 0."""
+    return os.environ.get("RANK", "0") == "0"
+
+
 def log(msg: str) -> None:
-    if os.environ.get("RANK", "0") == "0":
+    if is_rank0():
         print(msg, flush=True)
 
 
@@ -329,7 +334,7 @@ def main(argv=None) -> int:
     print_summary(summary)
     if torch.distributed.is_initialized():
         torch.distributed.destroy_process_group()
-    if args.json and os.environ.get("RANK", "0") == "0":
+    if args.json and is_rank0():
         args.json.write_text(json.dumps(summary, indent=2))
         log(f"summary written to {args.json}")
     return 0 if summary.get("check", {}).get("ok", True) else 1
