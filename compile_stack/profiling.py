@@ -5,8 +5,10 @@ Kernels are put in categories by name: our kernels carry the op's name
 (the LM head's, inside the cross-entropy op, too),
 Inductor's generated kernels (``triton_poi``/``triton_red``/``triton_per``)
 and torch's elementwise kernels are elementwise/norm, NCCL kernels are
-communication. Each category gets its share of device time and, where its
-work is known from the config, the rate it achieved.
+communication. Each category gets its share of device time, its number of
+kernel launches and, where its work is known from the config, the rate it
+achieved; the largest kernels are listed by name (a recomputed op shows up
+as more launches than the model has layers).
 """
 import re
 from collections import defaultdict
@@ -17,6 +19,7 @@ from torch.profiler import ProfilerActivity, profile
 
 from compile_stack.config import ModelConfig
 
+TOP_KERNELS = 12
 CATEGORIES = ("attention", "matmul", "cross_entropy", "optimizer", "elementwise_norm", "communication", "other")
 _PATTERNS = [
     ("attention", r"attn|attention|flash|fmha|sdpa"),
@@ -69,7 +72,7 @@ def breakdown(events, cfg: ModelConfig, on_device: bool | None = None) -> dict:
     """Time per category: of the device's kernels on a GPU (CPU ops are left out there, since
     an op's self device time repeats its kernels'), of the CPU ops' self time without one."""
     on_device = torch.cuda.is_available() if on_device is None else on_device
-    totals = defaultdict(float)
+    totals, calls, per_kernel = defaultdict(float), defaultdict(int), []
     for event in events:
         if on_device:
             if event.device_type != DeviceType.CUDA:
@@ -78,24 +81,35 @@ def breakdown(events, cfg: ModelConfig, on_device: bool | None = None) -> dict:
         else:
             us = event.self_cpu_time_total
         if us > 0 and not event.key.startswith("ProfilerStep"):
-            totals[categorize(event.key)] += us
+            category = categorize(event.key)
+            totals[category] += us
+            calls[category] += event.count
+            per_kernel.append((us, event.key, event.count))
     total_us = sum(totals.values()) or 1.0
     work = _known_work(cfg)
     result = {}
     for category in CATEGORIES:
         ms = totals.get(category, 0.0) / 1e3
-        row = {"ms": round(ms, 3), "share": round(totals.get(category, 0.0) / total_us, 4)}
+        row = {"ms": round(ms, 3), "share": round(totals.get(category, 0.0) / total_us, 4), "calls": calls[category]}
         if category in work and ms > 0:
             amount, unit = work[category]
             rate = amount / (ms / 1e3) / 1e12 if unit == "TFLOP/s" else amount / (ms / 1e3) / 1e9
             row[unit] = round(rate, 1)
         result[category] = row
+    result["largest"] = [
+        {"name": name, "category": categorize(name), "ms": round(us / 1e3, 3), "calls": count}
+        for us, name, count in sorted(per_kernel, reverse=True)[:TOP_KERNELS]
+    ]
     return result
 
 
 def format_breakdown(result: dict) -> str:
-    lines = [f"{'category':<18}{'ms':>12}{'share':>8}  rate"]
-    for category, row in result.items():
+    lines = [f"{'category':<18}{'ms':>12}{'share':>8}{'calls':>8}  rate"]
+    for category in CATEGORIES:
+        row = result[category]
         rate = next((f"{v} {k}" for k, v in row.items() if k.endswith("/s")), "")
-        lines.append(f"{category:<18}{row['ms']:>12.1f}{row['share']:>8.1%}  {rate}")
+        lines.append(f"{category:<18}{row['ms']:>12.1f}{row['share']:>8.1%}{row['calls']:>8}  {rate}")
+    lines.append(f"largest kernels:{'ms':>14}{'calls':>8}")
+    for kernel in result["largest"]:
+        lines.append(f"  {kernel['name'][:60]:<60}{kernel['ms']:>10.1f}{kernel['calls']:>8}  {kernel['category']}")
     return "\n".join(lines)

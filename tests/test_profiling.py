@@ -5,7 +5,7 @@ import pytest
 from torch.autograd import DeviceType
 
 from compile_stack.config import PRESETS
-from compile_stack.profiling import CATEGORIES, breakdown, categorize
+from compile_stack.profiling import CATEGORIES, breakdown, categorize, format_breakdown
 from custom_ops import adamw, attention, linear_cross_entropy
 
 
@@ -30,18 +30,22 @@ def test_kernels_land_in_their_category(kernel, category):
 
 def test_gpu_breakdown_counts_kernels_once():
     """A CPU op's self device time repeats its kernel's: only the kernel counts."""
-    def event(key, device_type, device_us=0.0, cpu_us=0.0):
+    def event(key, device_type, device_us=0.0, cpu_us=0.0, count=1):
         return SimpleNamespace(key=key, device_type=device_type, self_device_time_total=device_us,
-                               self_cpu_time_total=cpu_us)
+                               self_cpu_time_total=cpu_us, count=count)
 
     events = [
         event("aten::mm", DeviceType.CPU, device_us=3000.0, cpu_us=20.0),
         event("nvjet_tst_256x128_64x4_1x2_h_bz_coopA_NNT", DeviceType.CUDA, device_us=3000.0),
         event("cstack::flash_attention_fwd", DeviceType.CPU, device_us=1000.0, cpu_us=30.0),
-        event("_attn_fwd_kernel", DeviceType.CUDA, device_us=1000.0),
+        event("_attn_fwd_kernel", DeviceType.CUDA, device_us=1000.0, count=2),
     ]
     result = breakdown(events, PRESETS["tiny"], on_device=True)
     assert result["matmul"]["ms"] == 3.0 and result["attention"]["ms"] == 1.0
     assert result["matmul"]["share"] == 0.75
+    assert result["attention"]["calls"] == 2 and result["matmul"]["calls"] == 1
+    assert [(k["name"], k["category"], k["calls"]) for k in result["largest"]] == [
+        ("nvjet_tst_256x128_64x4_1x2_h_bz_coopA_NNT", "matmul", 1), ("_attn_fwd_kernel", "attention", 2)]
+    assert "_attn_fwd_kernel" in format_breakdown(result)
     cpu = breakdown(events, PRESETS["tiny"], on_device=False)
     assert cpu["matmul"]["ms"] == 0.02 and cpu["attention"]["ms"] == 0.03
