@@ -10,21 +10,28 @@ The estimate is deliberately simple and errs high; it is a guard, not a plan.
   alive at once (scores, masked, shifted); the loss keeps the full logits
   three times (logits, shifted, log-probs).
 - Compiled with our ops: no S×S and no T×V tensor. Per layer and token the
-  step saves between a floor (the block input, the residual after attention,
-  and the attention output and its log-sum-exp, which our passes mark
-  must-save) and what AOTAutograd's partitioner saves at budget 1.0 (ten
-  d-wide tensors, three d_ff-wide ones and the norms' fp32 statistics), in
-  proportion to the activation memory budget, plus a margin for the
-  knapsack's overshoot. (Calibrated on the full preset's block graph at
-  budgets 0 to 1 with torch 2.13: the estimate is at or above what the
-  partitioner saved at every budget; torch 2.11 saves less.) Plus one layer's
-  full working set during the backward, and the cross-entropy chunk.
+  step saves what AOTAutograd's partitioner chooses at the activation memory
+  budget. For the full preset's block that choice was measured at budgets
+  0.04 apart and around each change (torch 2.13 and 2.11, BENCHMARKS.md) and
+  is looked up. Any other block is bounded by a line between a floor (the
+  block input, the rotated queries, and the attention output and its
+  log-sum-exp, which our passes mark must-save) and what the partitioner
+  saves at budget 1.0 (up to ten d-wide tensors, three d_ff-wide ones, the
+  log-sum-exp and the norms' fp32 statistics), with a 10% margin for the
+  knapsack's overshoot (up to 4% measured on a miniature block). Plus one
+  layer's working set during the backward, taken as that budget-1.0 set
+  (10.3 GiB for the 9.95 GiB measured at 65,536 tokens on one H200), and the
+  cross-entropy chunk.
 - The peak is at the backward's start: parameters, moments, every saved
   activation, the LM head's gradient; block gradients only appear as the
   blocks' activations are freed, which are larger.
 - Data parallel over ``world`` ranks: the state is sharded, each rank holds
-  batch/world sequences, and FSDP2 adds the unsharded parameters and
-  gradients of the groups in flight (the root group and two blocks).
+  batch/world sequences, and FSDP2 adds the unsharded parameters of the
+  groups in flight (the root group and two blocks); a block's unsharded
+  gradients live only inside its backward, in the working set.
+- ``fits`` leaves 5% of the device to what the caching allocator does not
+  count (CUDA context, NCCL and cuBLAS buffers) and to fragmentation, which
+  ``expandable_segments`` (run_step's default) keeps small.
 """
 import os
 
@@ -34,8 +41,21 @@ from compile_stack.config import ModelConfig
 
 GIB = 2**30
 # Of the memory a device reports, the share a run may plan to use (allocator slack).
-USABLE_FRACTION = 0.92
+USABLE_FRACTION = 0.95
 CE_CHUNK_BYTES = 1.25 * GIB
+KNAPSACK_OVERSHOOT = 1.1
+# The partitioner's plans for the full preset's block in 16-bit dtypes, keyed by (d_model,
+# d_ff, heads, bytes per element): (budget from which a plan holds, d-wide tensors, d_ff-wide
+# tensors) saved per token besides the log-sum-exp and the norms' statistics. Each plan is
+# entered at the last measured budget below the one where it was seen, so the lookup errs high.
+# At 0.58 (6, 2): every matmul output the backward needs is saved; only norms are recomputed.
+MEASURED_PLANS = {
+    (4096, 11008, 32, 2): (
+        (0.0, 2, 0), (0.06, 3, 0), (0.12, 4, 0), (0.16, 2, 1), (0.18, 5, 0), (0.22, 6, 0), (0.26, 4, 1),
+        (0.30, 2, 2), (0.34, 5, 1), (0.38, 3, 2), (0.40, 6, 1), (0.42, 4, 2), (0.50, 5, 2), (0.58, 6, 2),
+        (0.98, 9, 3),
+    ),
+}
 
 
 def _token_bytes_per_layer(cfg: ModelConfig, nbytes: int) -> tuple[float, float]:
@@ -61,7 +81,7 @@ def estimate_peak_bytes(
     working = tokens * everything + CE_CHUNK_BYTES
     if world > 1:
         block_params = (cfg.params - 2 * cfg.vocab * cfg.d_model) / cfg.layers
-        working += 2 * (2 * cfg.vocab * cfg.d_model + 2 * block_params) * nbytes
+        working += (2 * cfg.vocab * cfg.d_model + 2 * block_params) * nbytes
     # Gradients appear while the backward frees activations, a block at a time, and a block
     # saves more than its gradients take: the peak is at the backward's start, before any
     # block's gradient exists (the LM head's does: the fused loss computes it in the forward).
@@ -74,10 +94,13 @@ def estimate_peak_bytes(
 
 def saved_bytes_per_token(cfg: ModelConfig, memory_budget: float, nbytes: int = 2) -> float:
     """Bytes one compiled layer saves for its backward, per token, at ``memory_budget``."""
+    plans = MEASURED_PLANS.get((cfg.d_model, cfg.d_ff, cfg.heads, nbytes))
+    if plans is not None:
+        _, n_d, n_f = max(plan for plan in plans if plan[0] <= memory_budget)
+        return (n_d * cfg.d_model + n_f * cfg.d_ff) * nbytes + cfg.heads * 4 + 2 * 4
     floor, everything = _token_bytes_per_layer(cfg, nbytes)
-    # The partitioner's knapsack works on discretized sizes and can overshoot its budget a
-    # little (by up to 2% of the floor-to-everything range at the budgets we measured): +10%.
-    return floor + min(1.0, 1.1 * memory_budget) * (everything - floor)
+    # The partitioner's knapsack can save more than the proportional line.
+    return floor + min(1.0, KNAPSACK_OVERSHOOT * memory_budget) * (everything - floor)
 
 
 def fits(estimate_bytes: float, device_bytes: float) -> bool:

@@ -3,8 +3,9 @@ import pytest
 import torch
 
 from compile_stack import memory
-from compile_stack.config import ModelConfig
-from compile_stack.reference import AdamW, build_model
+from compile_stack.capture import PassBackend
+from compile_stack.config import PRESETS, ModelConfig
+from compile_stack.reference import AdamW, Block, RotaryEmbedding, build_model
 from compile_stack.step import StepOptions, TrainStep
 
 # Block proportions of the full preset (d_ff ≈ 2.7·d, head dim 64), small enough for the CPU.
@@ -65,3 +66,39 @@ def test_estimate_is_at_or_above_what_the_partitioner_saves(plans):
     # And not far above at the floor: block input, attention output and log-sum-exp.
     floor = plans[0.0][0][1]["saved_bytes"]
     assert floor <= CFG.tokens * memory.saved_bytes_per_token(CFG, 0.0, nbytes=4) <= 1.5 * floor
+
+
+class _Partitioned(Exception):
+    """Raised by the spy once the partition is known: the full-width block never runs."""
+
+
+@pytest.mark.parametrize("budget", [0.15, 0.46, 0.97])
+def test_measured_plans_match_the_partitioner_at_full_width(budget):
+    """The full preset's block, one sequence, compiled but not run, saves what the looked-up
+    plan says, up to the norms' statistics."""
+    cfg = PRESETS["full"].with_overrides(layers=1, batch=1)
+    with torch.device("meta"):
+        block = Block(cfg).to(torch.bfloat16)
+    block = block.to_empty(device="cpu")  # uninitialized weights: only the graphs matter here
+    rope = RotaryEmbedding(cfg.head_dim, cfg.seq)
+    block.attn.rope.cos.copy_(rope.cos), block.attn.rope.sin.copy_(rope.sin)
+    partition = torch._functorch.partitioners.min_cut_rematerialization_partition
+    saved = []
+
+    def spy(joint, inputs, **kw):
+        fwd, _ = partition(joint, inputs, **kw)
+        placeholders = [n for n in fwd.graph.nodes if n.op == "placeholder"]
+        out = next(n for n in fwd.graph.nodes if n.op == "output").args[0][1:]  # after the block's output
+        saved.append(sum(a.meta["val"].nbytes for a in out if isinstance(a, torch.fx.Node)
+                         and isinstance(a.meta.get("val"), torch.Tensor)
+                         and (a.op != "placeholder" or a is placeholders[0])))
+        raise _Partitioned
+
+    torch._dynamo.reset()
+    backend = PassBackend(memory_budget=budget, codegen=False)
+    x = torch.zeros(1, cfg.seq, cfg.d_model, dtype=torch.bfloat16, requires_grad=True)
+    with pytest.MonkeyPatch.context() as mp, backend.active(), pytest.raises(Exception, match="_Partitioned"):
+        mp.setattr("compile_stack.capture.min_cut_rematerialization_partition", spy)
+        torch.compile(block, backend=backend, fullgraph=True)(x)
+    estimate = memory.saved_bytes_per_token(cfg, budget)
+    assert saved[0] / cfg.tokens <= estimate <= saved[0] / cfg.tokens + 2 * 4
