@@ -19,9 +19,9 @@ The estimate is deliberately simple and errs high; it is a guard, not a plan.
   saves at budget 1.0 (up to ten d-wide tensors, three d_ff-wide ones, the
   log-sum-exp and the norms' fp32 statistics), with a 10% margin for the
   knapsack's overshoot (up to 4% measured on a miniature block). Plus one
-  layer's working set during the backward, taken as that budget-1.0 set
-  (10.3 GiB for the 9.95 GiB measured at 65,536 tokens on one H200), and the
-  cross-entropy chunk.
+  layer's working set during the backward, taken as that budget-1.0 set, and
+  the cross-entropy chunk (10.3 GiB together at 65,536 tokens, where one
+  H200's measured peak leaves 9.95 GiB beyond the other terms).
 - The peak is at the backward's start: parameters, moments, every saved
   activation, the LM head's gradient; block gradients only appear as the
   blocks' activations are freed, which are larger.
