@@ -53,10 +53,11 @@ aten = torch.ops.aten
 NAME = "adamw"
 
 # Elementwise aten/prims ops a chain may use, by name; their foreach forms
-# (``_foreach_`` prefix) too.
+# (``_foreach_`` prefix) too. The comparisons and ``where`` are how torch's reference
+# decomposition of ``lerp`` picks its formula from the weight (torch 2.11's Inductor uses it).
 _ELEMENTWISE = {"add", "sub", "rsub", "mul", "div", "true_divide", "sqrt", "rsqrt", "neg", "reciprocal", "pow",
                 "addcdiv", "addcmul", "lerp", "copy", "clone", "convert_element_type", "_to_copy",
-                "scalar_tensor", "full", "fma"}
+                "scalar_tensor", "full", "fma", "abs", "ge", "gt", "le", "lt", "where"}
 # Python-level scalar arithmetic on SymInts/SymFloats.
 _SCALAR_FUNCTIONS = {operator.add, operator.sub, operator.mul, operator.truediv, operator.pow, operator.neg,
                      math.sqrt, torch.sym_float, torch._sym_sqrt}
@@ -433,8 +434,9 @@ def _fuse(graph: Graph, group: list[_Chain], fake_mode) -> Node:
         step_values = [_step_f32(add, s, device) for s in steps]
         step = step_values[0]
         if len(steps) > 1:
-            stacked = add(aten.stack.default, (step_values,))
-            same = add(aten.all.default, (add(aten.eq.Tensor, (stacked, step)),))
+            # Past decomposition, only ops Inductor lowers: cat of [1]-views (not stack), any (not all).
+            stacked = add(aten.cat.default, ([add(aten.view.default, (s, [1])) for s in step_values],))
+            same = add(aten.logical_not.default, (add(aten.any.default, (add(aten.ne.Tensor, (stacked, step)),)),))
             add(aten._assert_async.msg,
                 (same, "fused AdamW: parameters of one group are at different steps (one missed updates)"))
     lists = [[getattr(c, r) for c in group] for r in "pgmv"]

@@ -1,12 +1,13 @@
 """passes/adamw.py: a compiled AdamW update becomes one fused call, with the same result; anything else stays."""
 import copy
+import dataclasses
 
 import pytest
 import torch
 
 import passes.adamw  # noqa: F401  (registers the pass)
 import passes.param_data  # noqa: F401
-from compile_stack import reference
+from compile_stack import capture, reference
 from compile_stack.capture import PassBackend
 from compile_stack.config import PRESETS
 from compile_stack.step import StepOptions, TrainStep
@@ -198,12 +199,13 @@ def test_param_groups_get_one_call_each(graphs):
     assert_same_state(compiled, eager, model, eager_model)
 
 
-def test_parameters_at_different_steps_fail_loudly(graphs):
+@pytest.mark.parametrize("codegen", [False, True], ids=["aten", "inductor"])
+def test_parameters_at_different_steps_fail_loudly(graphs, codegen):
     # A parameter without a grad is skipped, so its step counter lags; one fused call has one step.
     model = make_model(torch.float32)
     params = list(model.parameters())
     opt = torch.optim.AdamW(params, **HYPER, foreach=False)
-    backend = PassBackend(PASSES, codegen=False)
+    backend = PassBackend(PASSES, codegen=codegen)
     step = torch.compile(opt.step, backend=backend)
     params[0].grad = torch.randn_like(params[0])
     with backend.active():
@@ -215,24 +217,39 @@ def test_parameters_at_different_steps_fail_loudly(graphs):
 
 
 def test_with_inductor(graphs):
-    """Real Inductor codegen on the smallest graph: one parameter, torch.optim's single-tensor form."""
-    weight = torch.nn.Parameter(torch.randn(3, 5))
-    model = torch.nn.Module()
-    model.weight = weight
+    """Real Inductor codegen on a small graph: torch.optim's single-tensor form, two parameters (so
+    the in-graph check that their step counters agree is compiled too)."""
+    model = torch.nn.Linear(5, 3)
     states = train("torch", model, steps=2, codegen=True)
     check_fused(graphs, 1, states, torch.float32)
 
 
-# On CUDA, Dynamo traces torch.optim's step in its capturable form; on the H200 (torch 2.11) the
-# pass left it alone (0 replacements: the update ran unfused, as Inductor's kernels). The same
-# form traced on the CPU is matched (test_capturable_torch_adamw_is_fused); the GPU graph was not inspected for lack of time.
-TORCH_OPTIM_ON_CUDA = pytest.mark.xfail(reason="torch.optim.AdamW traced on CUDA is not matched yet", strict=False)
+def test_lerp_decomposed_with_where_is_fused(graphs, monkeypatch):
+    """torch 2.11's Inductor decomposes single-tensor ``lerp`` as torch's reference does: a mask
+    ``|w| >= 0.5`` on the constant weight and two ``where``s (the form the pass met on the H200;
+    its foreach form adds and multiplies, as 2.13's does). With that decomposition forced here the
+    update is still proven and fused."""
+    table = dict(capture.select_decomp_table())
+    for op in (torch.ops.aten.lerp.Scalar, torch.ops.aten.lerp.Tensor):
+        table[op] = torch._refs.lerp
+    monkeypatch.setattr(capture, "select_decomp_table", lambda: table)
+    seen_where = []
+    run_fuse = passes.adamw.fuse_adamw
+
+    def fuse(graph):
+        seen_where.append(any(passes.adamw._op_name(n.target) == "where" for n in graph.nodes))
+        return run_fuse(graph)
+
+    spied = dataclasses.replace(registry._PASSES[passes.adamw.NAME], fn=fuse)
+    monkeypatch.setitem(registry._PASSES, passes.adamw.NAME, spied)
+    states = train("torch", make_model(torch.float32), steps=3)
+    assert seen_where and all(seen_where)
+    check_fused(graphs, 1, states, torch.float32)
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")
-@pytest.mark.parametrize("kind", ["reference", pytest.param("torch", marks=TORCH_OPTIM_ON_CUDA),
-                                  pytest.param("torch_foreach", marks=TORCH_OPTIM_ON_CUDA)])
+@pytest.mark.parametrize("kind", ["reference", "torch", "torch_foreach"])
 def test_gpu_bf16_with_inductor(graphs, kind):
     model = reference.build_model(PRESETS["tiny"], "cuda", torch.bfloat16)
     states = train(kind, model, steps=3, codegen=True)
