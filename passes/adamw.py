@@ -58,6 +58,9 @@ NAME = "adamw"
 _ELEMENTWISE = {"add", "sub", "rsub", "mul", "div", "true_divide", "sqrt", "rsqrt", "neg", "reciprocal", "pow",
                 "addcdiv", "addcmul", "lerp", "copy", "clone", "convert_element_type", "_to_copy",
                 "scalar_tensor", "full", "fma", "abs", "ge", "gt", "le", "lt", "where"}
+# Comparisons may read constants and the step only: a branch on the data (clipping, say) could
+# agree with AdamW at every probe and still differ elsewhere.
+_DATA_FREE = {"ge", "gt", "le", "lt"}
 # Python-level scalar arithmetic on SymInts/SymFloats.
 _SCALAR_FUNCTIONS = {operator.add, operator.sub, operator.mul, operator.truediv, operator.pow, operator.neg,
                      math.sqrt, torch.sym_float, torch._sym_sqrt}
@@ -198,8 +201,12 @@ def _elementwise(chain: _Chain, flow: _Flow) -> bool:
         if not _allowed(node):
             note(NAME, f"left {chain} alone: {node.name} ({node.target}) is not an elementwise update op")
             return False
+        reads_data = bool(flow.reach(node, index)[0])
+        if reads_data and (_op_name(node.target) or "").removeprefix("_foreach_") in _DATA_FREE:
+            note(NAME, f"left {chain} alone: {node.name} compares data")
+            return False
         val = fake_value(node, index)
-        if flow.reach(node, index)[0] and not (isinstance(val, torch.Tensor) and tuple(val.shape) == shape):
+        if reads_data and not (isinstance(val, torch.Tensor) and tuple(val.shape) == shape):
             note(NAME, f"left {chain} alone: {node.name} is not shaped like the parameter")
             return False
     return True
