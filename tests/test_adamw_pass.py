@@ -29,8 +29,14 @@ ULP = {torch.float32: 2**-23, torch.bfloat16: 2**-8}
 EAGER_TOL = {torch.float32: dict(rtol=1e-5, atol=1e-6), torch.bfloat16: dict(rtol=2**-5, atol=2**-4)}
 
 
-class EpsInsideSqrt(reference.AdamW):
-    """Not AdamW: √(v + eps) instead of √v + eps. Same ops, same inputs: only the probes tell."""
+class VariantAdamW(reference.AdamW):
+    """The reference update with two hooks, for the variants below (neither is AdamW)."""
+
+    def grad(self, p):
+        return p.grad
+
+    def denominator(self, v):
+        return torch.sqrt(v) + self.eps
 
     @torch.no_grad()
     def step(self):
@@ -38,27 +44,26 @@ class EpsInsideSqrt(reference.AdamW):
         beta1, beta2 = self.betas
         alpha = self.lr * (1 - beta2**self.t) ** 0.5 / (1 - beta1**self.t)
         for p, m, v in zip(self.params, self.m, self.v):
-            p.data -= self.lr * self.weight_decay * p.data
-            m.mul_(beta1).add_((1 - beta1) * p.grad)
-            v.mul_(beta2).add_((1 - beta2) * p.grad * p.grad)
-            p.data -= alpha * m / torch.sqrt(v + self.eps)
-
-
-class ClippedUpdate(reference.AdamW):
-    """Not AdamW: the gradient is zeroed where it is huge. No probe reaches the threshold, so only
-    the rule that comparisons read no data keeps this unfused."""
-
-    @torch.no_grad()
-    def step(self):
-        self.t += 1
-        beta1, beta2 = self.betas
-        alpha = self.lr * (1 - beta2**self.t) ** 0.5 / (1 - beta1**self.t)
-        for p, m, v in zip(self.params, self.m, self.v):
-            g = torch.where(p.grad.abs() > 1e6, 0.0, p.grad)
+            g = self.grad(p)
             p.data -= self.lr * self.weight_decay * p.data
             m.mul_(beta1).add_((1 - beta1) * g)
             v.mul_(beta2).add_((1 - beta2) * g * g)
-            p.data -= alpha * m / (torch.sqrt(v) + self.eps)
+            p.data -= alpha * m / self.denominator(v)
+
+
+class EpsInsideSqrt(VariantAdamW):
+    """Not AdamW: √(v + eps) instead of √v + eps. Same ops, same inputs: only the probes tell."""
+
+    def denominator(self, v):
+        return torch.sqrt(v + self.eps)
+
+
+class ClippedUpdate(VariantAdamW):
+    """Not AdamW: the gradient is zeroed where it is huge. No probe reaches the threshold, so only
+    the rule that comparisons read no data keeps this unfused."""
+
+    def grad(self, p):
+        return torch.where(p.grad.abs() > 1e6, 0.0, p.grad)
 
 
 OPTIMIZERS = {
