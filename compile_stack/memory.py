@@ -58,12 +58,15 @@ MEASURED_PLANS = {
 }
 
 
+def _saved_row_bytes(cfg: ModelConfig, nbytes: int, d_wide: int, ff_wide: int, norm_stats: bool = True) -> float:
+    """Per token: ``d_wide`` d-wide and ``ff_wide`` d_ff-wide tensors, attention's fp32
+    log-sum-exp (one per head) and, with ``norm_stats``, the two norms' fp32 statistics."""
+    return (d_wide * cfg.d_model + ff_wide * cfg.d_ff) * nbytes + cfg.heads * 4 + (2 * 4 if norm_stats else 0)
+
+
 def _token_bytes_per_layer(cfg: ModelConfig, nbytes: int) -> tuple[float, float]:
     """(floor, everything) bytes a layer saves per token."""
-    d, f = cfg.d_model, cfg.d_ff
-    floor = 3 * d * nbytes + cfg.heads * 4
-    everything = (10 * d + 3 * f) * nbytes + cfg.heads * 4 + 2 * 4
-    return floor, everything
+    return _saved_row_bytes(cfg, nbytes, 3, 0, norm_stats=False), _saved_row_bytes(cfg, nbytes, 10, 3)
 
 
 def estimate_peak_bytes(
@@ -96,8 +99,8 @@ def saved_bytes_per_token(cfg: ModelConfig, memory_budget: float, nbytes: int = 
     """Bytes one compiled layer saves for its backward, per token, at ``memory_budget``."""
     plans = MEASURED_PLANS.get((cfg.d_model, cfg.d_ff, cfg.heads, nbytes))
     if plans is not None:
-        _, n_d, n_f = max(plan for plan in plans if plan[0] <= memory_budget)
-        return (n_d * cfg.d_model + n_f * cfg.d_ff) * nbytes + cfg.heads * 4 + 2 * 4
+        _, d_wide, ff_wide = max(plan for plan in plans if plan[0] <= memory_budget)
+        return _saved_row_bytes(cfg, nbytes, d_wide, ff_wide)
     floor, everything = _token_bytes_per_layer(cfg, nbytes)
     # The partitioner's knapsack can save more than the proportional line.
     return floor + min(1.0, KNAPSACK_OVERSHOOT * memory_budget) * (everything - floor)
