@@ -78,6 +78,12 @@ def _op_name(target) -> str | None:
     return None
 
 
+def _base_name(node: Node) -> str | None:
+    """``add`` for aten.add.Tensor and aten._foreach_add.List alike; None if not aten/prims."""
+    name = _op_name(node.target)
+    return name.removeprefix("_foreach_") if name is not None else None
+
+
 def _is_foreach(node: Node) -> bool:
     name = _op_name(node.target) if node.op == "call_function" else None
     return name is not None and name.startswith("_foreach_")
@@ -90,8 +96,7 @@ def _allowed(node: Node) -> bool:
         return isinstance(node.args[0], Node) and _is_foreach(node.args[0])
     if node.target in _SCALAR_FUNCTIONS:
         return True
-    name = _op_name(node.target)
-    return name is not None and name.removeprefix("_foreach_") in _ELEMENTWISE
+    return _base_name(node) in _ELEMENTWISE
 
 
 def _is_data(node: Node) -> bool:
@@ -202,7 +207,7 @@ def _elementwise(chain: _Chain, flow: _Flow) -> bool:
             note(NAME, f"left {chain} alone: {node.name} ({node.target}) is not an elementwise update op")
             return False
         reads_data = bool(flow.reach(node, index)[0])
-        if reads_data and (_op_name(node.target) or "").removeprefix("_foreach_") in _DATA_FREE:
+        if reads_data and _base_name(node) in _DATA_FREE:
             note(NAME, f"left {chain} alone: {node.name} compares data")
             return False
         val = fake_value(node, index)
