@@ -13,6 +13,15 @@ CFG = ModelConfig(layers=1, seq=64, batch=2, d_model=128, heads=2, d_ff=344, voc
 OUR_FORWARD_OPS = ("flash_attention_fwd", "linear_cross_entropy_fwd")
 
 
+def _activation_bytes(fwd: torch.fx.GraphModule, skip_outputs: int = 0) -> int:
+    """Bytes of the tensors a partitioned forward returns after its first ``skip_outputs``:
+    what it computed, plus its first input (the block's input x); other inputs are weights."""
+    placeholders = [n for n in fwd.graph.nodes if n.op == "placeholder"]
+    out = next(n for n in fwd.graph.nodes if n.op == "output").args[0][skip_outputs:]
+    saved = [a for a in out if isinstance(a, torch.fx.Node) and isinstance(a.meta.get("val"), torch.Tensor)]
+    return sum(a.meta["val"].nbytes for a in saved if a.op != "placeholder" or a is placeholders[0])
+
+
 def _partition_at(budget: float) -> tuple[dict, float]:
     """Compile one regional step at ``budget``; per graph: activation bytes saved, ops recomputed."""
     partition = torch._functorch.partitioners.min_cut_rematerialization_partition
@@ -20,11 +29,7 @@ def _partition_at(budget: float) -> tuple[dict, float]:
 
     def spy(joint, inputs, **kw):
         fwd, bwd = partition(joint, inputs, **kw)
-        placeholders = [n for n in fwd.graph.nodes if n.op == "placeholder"]
-        out = next(n for n in fwd.graph.nodes if n.op == "output").args[0]
-        saved = [a for a in out if isinstance(a, torch.fx.Node) and isinstance(a.meta.get("val"), torch.Tensor)]
-        # Activations: what the forward computed, plus its first input (the block's input x).
-        nbytes = sum(a.meta["val"].nbytes for a in saved if a.op != "placeholder" or a is placeholders[0])
+        nbytes = _activation_bytes(fwd)
         recomputed = sorted({op for n in bwd.graph.nodes for op in OUR_FORWARD_OPS if op in str(n.target)})
         graphs[len(graphs)] = {"saved_bytes": nbytes, "recomputed": recomputed}
         return fwd, bwd
@@ -87,11 +92,7 @@ def test_measured_plans_match_the_partitioner_at_full_width(budget):
 
     def spy(joint, inputs, **kw):
         fwd, _ = partition(joint, inputs, **kw)
-        placeholders = [n for n in fwd.graph.nodes if n.op == "placeholder"]
-        out = next(n for n in fwd.graph.nodes if n.op == "output").args[0][1:]  # after the block's output
-        saved.append(sum(a.meta["val"].nbytes for a in out if isinstance(a, torch.fx.Node)
-                         and isinstance(a.meta.get("val"), torch.Tensor)
-                         and (a.op != "placeholder" or a is placeholders[0])))
+        saved.append(_activation_bytes(fwd, skip_outputs=1))  # after the block's own output
         raise _Partitioned
 
     torch._dynamo.reset()
