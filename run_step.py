@@ -59,7 +59,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--json", type=Path, metavar="FILE", help="write a machine-readable summary to FILE")
     p.add_argument("--cache-dir", type=Path, help=f"compile caches (default: ${settings.CACHE_ENV} or ~/.cache/compile_stack)")
     p.add_argument("--fresh-cache", action="store_true", help="start from empty compile caches (a cold start)")
-    p.add_argument("--compare", choices=("stock",), help="also time the step built from stock PyTorch parts, in this process")
+    p.add_argument("--compare", choices=("stock",),
+                   help="also time the step built from stock PyTorch parts, in this process once ours is freed "
+                        "(sharded with FSDP2 under torchrun)")
     p.add_argument("--profile", type=Path, metavar="FILE", help="write a torch.profiler trace of one step and print a breakdown")
     p.add_argument("--force", action="store_true", help="run even if the memory estimate says the config does not fit")
     args = p.parse_args(argv)
@@ -182,8 +184,8 @@ def measure(step: FirstCallTimer, batch, args, device, cfg: ModelConfig, label: 
 def run(args) -> dict:
     rank, world = 0, 1
     if distributed.is_distributed():
-        if args.check or args.compare:
-            raise SystemExit("--check/--compare: not supported under torchrun; run them in one process")
+        if args.check:
+            raise SystemExit("--check: not supported under torchrun; run it in one process")
         rank, world, device = distributed.setup_distributed()
     else:
         device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
@@ -273,7 +275,7 @@ def run(args) -> dict:
 
     if args.compare == "stock":
         del step, model  # the stock step needs the memory back
-        summary["compare"] = compare_stock(args, cfg, device, dtype, batch, summary)
+        summary["compare"] = compare_stock(args, cfg, device, dtype, batch, summary, world)
     return summary
 
 
@@ -286,8 +288,12 @@ def _raise_on_bad_targets() -> None:
     check_targets_flag()
 
 
-def compare_stock(args, cfg, device, dtype, batch, ours: dict) -> dict:
-    """Build the stock step on fresh weights, once ours is freed, and time it the same way."""
+def compare_stock(args, cfg, device, dtype, batch, ours: dict, world: int = 1) -> dict:
+    """Build the stock step on fresh weights, once ours is freed, and time it the same way.
+
+    Under torchrun it is sharded as ours is (FSDP2, a group per block) and steps on this rank's
+    share of the batch; its step time is the slowest rank's, its peak the largest.
+    """
     from compile_stack.stock import StockStep
 
     torch._dynamo.reset()  # compiled code and its guards may still refer to our model
@@ -298,7 +304,11 @@ def compare_stock(args, cfg, device, dtype, batch, ours: dict) -> dict:
         log(f"[stock] memory still allocated after freeing ours: {torch.cuda.memory_allocated(device) / memory.GIB:.2f} GiB")
     log("[stock] building the stock step (torch.compile per block, SDPA, checkpointing, fused AdamW)...")
     torch.manual_seed(args.seed)
-    stock = measure(FirstCallTimer(StockStep(build_model(cfg, device, dtype))), batch, args, device, cfg, "stock")
+    step = FirstCallTimer(StockStep(build_model(cfg, device, dtype), sharded=world > 1))
+    stock = measure(step, batch, args, device, cfg, "stock")
+    if world > 1:
+        stock.update(distributed.rank_summary(stock["step_ms"], stock["peak_mem_gib"]))
+        stock["mfu"] = round(stock["mfu"] / world, 4)  # of `world` GPUs' peak
     return {
         "stock": stock,
         "speedup": round(stock["step_ms"] / ours["step_ms"], 3),

@@ -89,17 +89,24 @@ def shard_model(model: Transformer, reshard_after_forward: bool = True) -> Block
     the previous one in backward) so its all-gather overlaps this block's compute.
     """
     require(isinstance(model, Transformer), "model", "a compile_stack.reference.Transformer", type(model).__name__)
+    return shard_groups(list(model.blocks), BlockwiseLoss(model), reshard_after_forward)
+
+
+def shard_groups(blocks: list[nn.Module], root: nn.Module, reshard_after_forward: bool = True) -> nn.Module:
+    """``fully_shard`` each of ``blocks`` (each prefetching its neighbour), then ``root``; return it.
+
+    The blocks must be submodules of ``root``. Rank 0's weights are broadcast first.
+    """
     require(dist.is_initialized(), "model", "a process group set up first (setup_distributed())", "none")
     with torch.no_grad():
-        for t in [*model.parameters(), *model.buffers()]:
+        for t in [*root.parameters(), *root.buffers()]:
             dist.broadcast(t, src=0)
-    blocks = list(model.blocks)
     for block in blocks:
         fully_shard(block, reshard_after_forward=reshard_after_forward)
     for prev, nxt in zip(blocks, blocks[1:]):
         prev.set_modules_to_forward_prefetch([nxt])
         nxt.set_modules_to_backward_prefetch([prev])
-    return fully_shard(BlockwiseLoss(model), reshard_after_forward=reshard_after_forward)
+    return fully_shard(root, reshard_after_forward=reshard_after_forward)
 
 
 class LocalShards:
@@ -180,9 +187,14 @@ def gather_full_params(step_or_model) -> dict[str, torch.Tensor]:
     root = step_or_model.sharded if isinstance(step_or_model, DistributedTrainStep) else step_or_model
     require(isinstance(root, BlockwiseLoss) and isinstance(root, FSDPModule), "step_or_model",
             "a DistributedTrainStep or the BlockwiseLoss shard_model returned", type(root).__name__)
+    return full_params(root.model)
+
+
+def full_params(module: nn.Module) -> dict[str, torch.Tensor]:
+    """``module``'s parameters by name, each gathered whole (a collective: call on every rank)."""
     with torch.no_grad():
         return {name: (p.full_tensor() if isinstance(p, DTensor) else p).detach().clone()
-                for name, p in root.model.named_parameters()}
+                for name, p in module.named_parameters()}
 
 
 def interval_overlap(comm: list[tuple[float, float]], compute: list[tuple[float, float]]) -> dict:

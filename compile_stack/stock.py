@@ -9,6 +9,7 @@ optimizer is torch's (eps inside the bias correction), as a stock user's
 would be; the comparison is of speed and memory, not of bit-equal updates.
 """
 import torch
+import torch.nn as nn
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
@@ -33,27 +34,44 @@ def _block_forward(block: Block, x):
     return x + F.linear(F.silu(F.linear(a, ffn.w1.weight)) * F.linear(a, ffn.w3.weight), ffn.w2.weight)
 
 
-class StockStep:
-    """``step(inputs, targets) -> loss`` with stock PyTorch parts on ``model``'s parameters."""
+class StockBlock(nn.Module):
+    """One block as a stock user runs it: the compiled block function, checkpointed.
 
-    def __init__(self, model: Transformer, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01):
-        self.model = model
-        self.block_fn = torch.compile(_block_forward)
-        fused = next(model.parameters()).is_cuda
-        self.optimizer = torch.optim.AdamW(
-            model.parameters(), lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, fused=fused
-        )
+    A module of its own so that FSDP2 can make it one sharding group, with the
+    checkpoint inside the group (its recomputation sees the gathered weights).
+    """
+
+    def __init__(self, block: Block, block_fn):
+        super().__init__()
+        self.block = block
+        self.block_fn = block_fn
+
+    def forward(self, x):
+        return checkpoint(self.block_fn, self.block, x, use_reentrant=False)
+
+
+class StockLoss(nn.Module):
+    """``loss(inputs, targets)``: the model's mean token loss, spelled with stock parts.
+
+    It holds the model's pieces, not the model: every path to a block then runs
+    through its ``StockBlock``, which FSDP2 needs to see each block in one group only.
+    """
+
+    def __init__(self, model: Transformer, backend: str = "inductor"):
+        super().__init__()
+        self.embedding, self.norm, self.lm_head = model.embedding, model.norm, model.lm_head
+        block_fn = torch.compile(_block_forward, backend=backend)
+        self.blocks = nn.ModuleList(StockBlock(block, block_fn) for block in model.blocks)
 
     def _chunk_loss(self, hidden, targets):
-        logits = F.linear(hidden, self.model.lm_head.weight).float()
+        logits = F.linear(hidden, self.lm_head.weight).float()
         return F.cross_entropy(logits, targets, reduction="sum")
 
-    def loss(self, inputs, targets):
-        model = self.model
-        x = model.embedding[inputs]
-        for block in model.blocks:
-            x = checkpoint(self.block_fn, block, x, use_reentrant=False)
-        hidden = model.norm(x).flatten(0, 1)
+    def forward(self, inputs, targets):
+        x = self.embedding[inputs]
+        for block in self.blocks:
+            x = block(x)
+        hidden = self.norm(x).flatten(0, 1)
         targets = targets.flatten()
         total = sum(
             checkpoint(self._chunk_loss, hidden[i : i + CE_CHUNK_TOKENS], targets[i : i + CE_CHUNK_TOKENS], use_reentrant=False)
@@ -61,9 +79,35 @@ class StockStep:
         )
         return total / hidden.shape[0]
 
+
+class StockStep:
+    """``step(inputs, targets) -> loss`` with stock PyTorch parts on ``model``'s parameters.
+
+    ``sharded=True`` (under torchrun): FSDP2 shards the model as ours is sharded
+    (a group per block, then the root), each rank steps on its share of the batch,
+    and the step returns the loss averaged over the ranks. ``backend`` compiles the blocks.
+    """
+
+    def __init__(self, model: Transformer, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01,
+                 sharded: bool = False, backend: str = "inductor"):
+        self.loss = StockLoss(model, backend)
+        if sharded:
+            from compile_stack.distributed import shard_groups
+
+            self.loss = shard_groups(list(self.loss.blocks), self.loss)
+        self.sharded = sharded
+        fused = next(model.parameters()).is_cuda
+        self.optimizer = torch.optim.AdamW(
+            self.loss.parameters(), lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, fused=fused
+        )
+
     def __call__(self, inputs, targets):
         self.optimizer.zero_grad(set_to_none=True)
         loss = self.loss(inputs, targets)
         loss.backward()
         self.optimizer.step()
-        return loss
+        if not self.sharded:
+            return loss
+        total = loss.detach().clone()
+        torch.distributed.all_reduce(total)  # SUM: gloo has no AVG
+        return total / torch.distributed.get_world_size()

@@ -18,6 +18,7 @@ from compile_stack.check import TOLERANCES
 from compile_stack.config import PRESETS
 from compile_stack.reference import AdamW, build_model
 from compile_stack.step import StepOptions, TrainStep
+from compile_stack.stock import StockStep
 from tests.helpers import HAS_CUDA, rel_err
 
 WORLD = 2
@@ -26,6 +27,7 @@ STEPS = 2
 CPU_CASES = {"fp32_compiled": (torch.float32, True), "bf16_compiled": (torch.bfloat16, True),
              "fp32_eager": (torch.float32, False)}
 GPU_CASES = {"bf16_compiled": (torch.bfloat16, True)}
+STOCK = "stock_fp32"  # the stock step (blocks through aot_eager), sharded vs in one process
 GPU_CONFIG = PRESETS["tiny"].with_overrides(layers=2, seq=1024, d_model=1024, heads=8, d_ff=2816, vocab=32000)
 
 
@@ -42,6 +44,15 @@ def _model(cfg, dtype, device):
 
 def _to_cpu(params):
     return {n: p.detach().cpu().clone() for n, p in params.items()}
+
+
+def _stock_run(cfg, device, shard=None) -> dict:
+    """The stock step for STEPS steps: sharded over the ranks if ``shard`` splits the batch."""
+    step = StockStep(_model(cfg, torch.float32, device), sharded=shard is not None, backend="aot_eager")
+    init = _to_cpu(dict(step.loss.named_parameters())) if shard is None else None
+    shard = shard or (lambda t: t)
+    losses = [step(shard(x), shard(y)).item() for x, y in _batches(cfg, device)]
+    return {"init": init, "losses": losses, "params": _to_cpu(D.full_params(step.loss))}
 
 
 def _worker(rank, port, out_dir, cfg, cases, codegen):
@@ -69,6 +80,8 @@ def _worker(rank, port, out_dir, cfg, cases, codegen):
             out["dist"][name]["overlap"] = D.profile_overlap(
                 lambda: step(*(D.shard_batch(t, rank, world) for t in _batches(cfg, device)[0])))
     out["passes"] = dict(registry.REPORT.replacements)
+    if device.type == "cpu":
+        out["dist"][STOCK] = _stock_run(cfg, device, shard=lambda t: D.shard_batch(t, rank, world))
     # The single-process references, shared out between the ranks.
     for i, (name, (dtype, compiled)) in enumerate(cases.items()):
         if i % world != rank:
@@ -78,6 +91,8 @@ def _worker(rank, port, out_dir, cfg, cases, codegen):
         step = TrainStep(model, AdamW(model.parameters()), StepOptions(compile=compiled, codegen=codegen))
         out["single"][name]["losses"] = [step(x, y).item() for x, y in _batches(cfg, device)]
         out["single"][name]["params"] = _to_cpu(dict(model.named_parameters()))
+    if device.type == "cpu" and len(cases) % world == rank:
+        out["single"][STOCK] = _stock_run(cfg, device)
     torch.save(out, os.path.join(out_dir, f"rank{rank}.pt"))
     dist.barrier()
     dist.destroy_process_group()
@@ -122,6 +137,11 @@ def test_fp32_matches_single_process(cpu_run, name):
     d = _check_matches(cpu_run, name, loss_tol=1e-5, param_tol=1e-5)
     for n, p in cpu_run["single"][name]["params"].items():
         assert rel_err(d["params"][n], p) <= 1e-5, n
+
+
+def test_stock_step_sharded_matches_single_process(cpu_run):
+    """`--compare stock` under torchrun: the stock step, sharded by FSDP2, steps as in one process."""
+    _check_matches(cpu_run, STOCK, loss_tol=1e-5, param_tol=1e-5)
 
 
 def test_bf16_matches_single_process(cpu_run):
@@ -187,7 +207,8 @@ def test_two_gpus_bf16_matches_single_process_and_overlaps(tmp_path):
 
 @pytest.mark.slow
 def test_torchrun_run_step_two_processes(tmp_path):
-    """The README's command: `torchrun --nproc-per-node 2 run_step.py --compile` (gloo, tiny)."""
+    """The README's command: `torchrun --nproc-per-node 2 run_step.py --compile` (gloo, tiny), with the
+    stock step sharded beside it (`--compare stock`)."""
     import json
     import subprocess
     import sys
@@ -196,10 +217,14 @@ def test_torchrun_run_step_two_processes(tmp_path):
     root = Path(__file__).resolve().parent.parent
     out = tmp_path / "out.json"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "run_step.py", "--compile",
-           "--steps", "1", "--warmup", "0", "--cache-dir", str(tmp_path / "cache"), "--json", str(out)]
+           "--steps", "1", "--warmup", "0", "--compare", "stock", "--cache-dir", str(tmp_path / "cache"),
+           "--json", str(out)]
     result = subprocess.run(cmd, cwd=root, capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stderr[-3000:]
     summary = json.loads(out.read_text())
     assert summary["world_size"] == 2 and len(summary["step_ms_per_rank"]) == 2
     assert summary["passes"]["attention"] == 1 and summary["passes"]["cross_entropy"] == 1
     assert summary["passes"]["adamw"] == 1
+    stock = summary["compare"]["stock"]
+    assert stock["world_size"] == 2 and len(stock["peak_mem_gib_per_rank"]) == 2
+    assert summary["compare"]["speedup"] == pytest.approx(stock["step_ms"] / summary["step_ms"], rel=1e-2)
