@@ -181,6 +181,13 @@ def measure(step: FirstCallTimer, batch, args, device, cfg: ModelConfig, label: 
     }
 
 
+def across_ranks(figures: dict, world: int) -> None:
+    """``measure``'s figures of this rank made the step's, in place: per-rank times and peaks, the
+    slowest rank's time, the largest peak, and MFU as a share of ``world`` GPUs' peak."""
+    figures.update(distributed.rank_summary(figures["step_ms"], figures["peak_mem_gib"]))
+    figures["mfu"] = round(figures["mfu"] / world, 4)
+
+
 def run(args) -> dict:
     rank, world = 0, 1
     if distributed.is_distributed():
@@ -255,8 +262,7 @@ def run(args) -> dict:
 
     summary.update(measure(step, batch, args, device, cfg, "ours"))
     if world > 1:
-        summary.update(distributed.rank_summary(summary["step_ms"], summary["peak_mem_gib"]))
-        summary["mfu"] = round(summary["mfu"] / world, 4)  # of `world` GPUs' peak
+        across_ranks(summary, world)
         summary["comm_overlap"] = distributed.profile_overlap(lambda: step(*batch))
     summary["passes"] = registry.REPORT.as_dict(pass_names)
     summary["pass_notes"] = list(registry.REPORT.notes)
@@ -307,8 +313,7 @@ def compare_stock(args, cfg, device, dtype, batch, ours: dict, world: int = 1) -
     step = FirstCallTimer(StockStep(build_model(cfg, device, dtype), sharded=world > 1))
     stock = measure(step, batch, args, device, cfg, "stock")
     if world > 1:
-        stock.update(distributed.rank_summary(stock["step_ms"], stock["peak_mem_gib"]))
-        stock["mfu"] = round(stock["mfu"] / world, 4)  # of `world` GPUs' peak
+        across_ranks(stock, world)
     return {
         "stock": stock,
         "speedup": round(stock["step_ms"] / ours["step_ms"], 3),

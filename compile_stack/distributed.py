@@ -148,7 +148,6 @@ class DistributedTrainStep:
         self.sharded = shard_model(model, reshard_after_forward)
         self.make_optimizer = make_optimizer
         self.options = options
-        self.world = dist.get_world_size()
         self.shards = None
         self.optimizer = None
         self.optimizer_step = None
@@ -177,9 +176,14 @@ class DistributedTrainStep:
         self.shards.load_grads()
         with step_context(self.optimizer_backend, self.optimizer):
             self.optimizer_step()
-        total = loss.detach().clone()
-        dist.all_reduce(total)  # SUM: gloo has no AVG
-        return total / self.world
+        return mean_over_ranks(loss)
+
+
+def mean_over_ranks(loss: torch.Tensor) -> torch.Tensor:
+    """Each rank's mean loss over its equal share of the batch, averaged: the full batch's loss."""
+    total = loss.detach().clone()
+    dist.all_reduce(total)  # SUM: gloo has no AVG
+    return total / dist.get_world_size()
 
 
 def gather_full_params(step_or_model) -> dict[str, torch.Tensor]:

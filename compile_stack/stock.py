@@ -13,6 +13,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
+from compile_stack.distributed import mean_over_ranks, shard_groups
 from compile_stack.reference import Block, Transformer
 
 CE_CHUNK_TOKENS = 8192
@@ -92,8 +93,6 @@ class StockStep:
                  sharded: bool = False, backend: str = "inductor"):
         self.loss = StockLoss(model, backend)
         if sharded:
-            from compile_stack.distributed import shard_groups
-
             self.loss = shard_groups(list(self.loss.blocks), self.loss)
         self.sharded = sharded
         fused = next(model.parameters()).is_cuda
@@ -106,8 +105,4 @@ class StockStep:
         loss = self.loss(inputs, targets)
         loss.backward()
         self.optimizer.step()
-        if not self.sharded:
-            return loss
-        total = loss.detach().clone()
-        torch.distributed.all_reduce(total)  # SUM: gloo has no AVG
-        return total / torch.distributed.get_world_size()
+        return mean_over_ranks(loss) if self.sharded else loss
