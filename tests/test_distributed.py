@@ -216,7 +216,8 @@ def test_torchrun_run_step_two_processes(tmp_path):
 
     root = Path(__file__).resolve().parent.parent
     out = tmp_path / "out.json"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "run_step.py", "--compile",
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", str(_free_port()),
+           "run_step.py", "--compile",
            "--steps", "1", "--warmup", "0", "--compare", "stock", "--cache-dir", str(tmp_path / "cache"),
            "--json", str(out)]
     result = subprocess.run(cmd, cwd=root, capture_output=True, text=True, timeout=600)
