@@ -5,10 +5,11 @@
 Shapes (causal, bf16): a = B2 H32 S32768 D128 (the 8B model), b = B1 H16 S16384 D64
 (the 2025 FlashAttention row; backward of o.sum()). For each: forward, backward and
 forward+backward in ms and TFLOP/s (causal fwd FLOPs = 4*B*H*S^2*D/2, bwd = 2.5x, fwd+bwd
-= 3.5x), peak memory of fwd+bwd, the ratio ours/cuDNN, and a relative-error check of ours
-against SDPA. --sweep also times a few candidate tile configs for each of our kernels and
-prints the best, to choose the entries of custom_ops.attention.CONFIGS. Writes
-$OUT/bench_attention.json when OUT is set.
+= 3.5x), peak memory of fwd+bwd, the ratio ours/cuDNN, a relative-error check of ours
+against SDPA, and each of our backward paths alone (the two Triton kernels; on Hopper at
+D=128 also the one-pass Gluon kernel the op then runs). --sweep also times a few candidate
+tile configs for each of our Triton kernels and prints the best, to choose the entries of
+custom_ops.attention.CONFIGS. Writes $OUT/bench_attention.json when OUT is set.
 """
 import argparse
 import json
@@ -94,6 +95,18 @@ def check(q, k, v):
     return {n: rel(a, b) for n, a, b in zip(("out", "dq", "dk", "dv"), errs["ours"], errs["cudnn"])}
 
 
+def backward_paths(q, k, v, dout):
+    """Each CUDA backward path alone on the same inputs (ms): the two Triton kernels, and the
+    one-pass Gluon kernel where it applies (what the op runs then)."""
+    scale = 1 / math.sqrt(q.shape[-1])
+    qd, kd, vd = q.detach(), k.detach(), v.detach()
+    out, lse = A.triton_fwd(qd, kd, vd, True, scale)
+    paths = {"triton_bwd": A.triton_bwd}
+    if A.uses_hopper_bwd(qd, kd):
+        paths["hopper_bwd"] = A.hopper_bwd
+    return {name: bench(lambda: fn(dout, qd, kd, vd, out, lse, True, scale)) for name, fn in paths.items()}
+
+
 def sweep(q, k, v, dout):
     """Time each candidate tile config of fwd, dK/dV and dQ on its own; returns all figures."""
     d = q.shape[-1]
@@ -147,6 +160,8 @@ def main():
             entry[name] = r
             table.append((key, name, r))
         entry["ours_over_cudnn_fwd_bwd"] = entry["ours"]["fwd_bwd_ms"] / entry["cudnn"]["fwd_bwd_ms"]
+        entry["backward_paths_ms"] = backward_paths(q, k, v, dout)
+        print("  backward paths alone (ms):", {n: round(ms, 2) for n, ms in entry["backward_paths_ms"].items()})
         if args.sweep:
             entry["sweep"] = sweep(q, k, v, dout)
         report["shapes"][key] = entry

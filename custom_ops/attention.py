@@ -10,6 +10,9 @@ probabilities from it, so nothing of size Sq x Sk is ever stored.
 CUDA tensors run the Triton kernels below; CPU tensors run a plain-torch version that
 works in fp32 on chunks of queries. The Triton launchers (``triton_fwd``, ``triton_bwd``)
 also run on CPU tensors under ``TRITON_INTERPRET=1``, which is how the tests check them.
+On Hopper, 16-bit D=128 backwards over whole 128-row tiles (the 8B model's) run instead as
+one Gluon kernel (``hopper_bwd``): five tile matmuls per tile pair where the two Triton
+kernels need seven; 13% faster at one rank's shape, 10% inside the step (BENCHMARKS.md).
 """
 import math
 import os
@@ -19,6 +22,11 @@ import torch
 from torch.utils.flop_counter import register_flop_formula
 import triton
 import triton.language as tl
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import (
+    fence_async_shared, mbarrier, tma, warpgroup_mma, warpgroup_mma_init, warpgroup_mma_wait)
+from triton.experimental.gluon.nvidia.hopper import TensorDescriptor as GluonTensorDescriptor
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from custom_ops.checks import FLOAT_DTYPES, check_like, check_tensor, require
@@ -270,6 +278,141 @@ def _attn_bwd_dq_kernel(q_desc, k_desc, v_desc, do_desc, DQ, LSE, DELTA, qk_scal
              mask=row_ok[:, None])
 
 
+# --------------------------------------------------------------------------- Hopper backward (Gluon)
+#
+# The Triton backward recomputes S = QKᵀ and dP = dO·Vᵀ in both of its kernels: seven tile
+# matmuls per (query tile, key tile). One pass needs five, but its dQ = dS·K must be summed
+# over key tiles, and Triton 3.6 gave no layout that kept dK, dV, S, dP and dQ in registers
+# (one-pass variants measured 56-64 ms against 54, BENCHMARKS.md). Gluon, Triton's
+# lower-level language, exposes the pieces: each program owns 128 keys in two warp groups;
+# S and dP have queries as rows, each warp group holding 64 of the keys; P and dS go to shared
+# memory, so every later matmul reads both operands from there (dV += Pᵀ·dO and dK += dSᵀ·Q,
+# each warp group its own keys; dQ = dS·K, each half of D); dQ is added into an fp32 buffer
+# by the copy engine (a TMA reduce-add). Measured against alternatives on one H200: a
+# warp-specialized version (a load warp and a reduce warp) was 4% slower, two dQ buffers or
+# three Q/dO stages no faster, P rounded to 16 bits for dS no faster.
+
+HOPPER_BWD = Tiles(block_m=64, block_n=128, num_warps=8, num_stages=2)
+
+
+@gl._core.builtin
+def _tma_reduce_add(tensor_desc, coord, src, _semantic=None):
+    """Add a shared-memory tile into global memory through the copy engine
+    (``cp.reduce.async.bulk.tensor``). Triton 3.6's Gluon has the IR op but no wrapper."""
+    from triton._C.libtriton import ir
+    coord = _semantic._convert_to_ir_values(coord, require_i64=False)
+    _semantic.builder.create_async_tma_reduce(ir.DESCRIPTOR_REDUCE_KIND.ADD, tensor_desc.handle, coord, src.handle)
+
+
+@gluon.jit
+def _attn_bwd_hopper_kernel(q_desc, k_desc, v_desc, do_desc, dq_desc, DK, DV, LSE, DELTA, qk_scale, scale, SQ, SK,
+                            IS_CAUSAL: gl.constexpr, HEAD_D: gl.constexpr, BLOCK_M: gl.constexpr,
+                            BLOCK_N: gl.constexpr, STAGES: gl.constexpr, num_warps: gl.constexpr):
+    # q/dO/dQ descriptors read [B·H·SQ, D] and k/v [B·H·SK, D]; SQ and SK are whole tiles.
+    start_n = gl.program_id(0) * BLOCK_N
+    zh = gl.program_id(1)
+    q_row0 = zh * SQ
+    dtype: gl.constexpr = q_desc.dtype
+    GROUPS: gl.constexpr = num_warps // 4
+    # S, dP and dQ: queries as rows, the warp groups side by side; dK, dV: keys as rows.
+    L_S: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, GROUPS],
+                                                  instr_shape=[16, BLOCK_N // GROUPS, 16])
+    L_DQ: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, GROUPS],
+                                                   instr_shape=[16, HEAD_D // GROUPS, 16])
+    L_KV: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
+                                                   instr_shape=[16, HEAD_D, 16])
+    PS_SHARED: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, BLOCK_N], dtype)
+
+    k_smem = gl.allocate_shared_memory(dtype, [BLOCK_N, HEAD_D], k_desc.layout)
+    v_smem = gl.allocate_shared_memory(dtype, [BLOCK_N, HEAD_D], v_desc.layout)
+    q_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, HEAD_D], q_desc.layout)
+    do_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, HEAD_D], do_desc.layout)
+    p_smem = gl.allocate_shared_memory(dtype, [BLOCK_M, BLOCK_N], PS_SHARED)
+    ds_smem = gl.allocate_shared_memory(dtype, [BLOCK_M, BLOCK_N], PS_SHARED)
+    dq_smem = gl.allocate_shared_memory(gl.float32, [BLOCK_M, HEAD_D], dq_desc.layout)
+    kv_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    mbarrier.init(kv_bar, count=1)
+    for i in gl.static_range(STAGES):
+        mbarrier.init(ready.index(i), count=1)
+    mbarrier.expect(kv_bar, 2 * k_desc.block_type.nbytes)
+    tma.async_copy_global_to_shared(k_desc, [zh * SK + start_n, 0], kv_bar, k_smem)
+    tma.async_copy_global_to_shared(v_desc, [zh * SK + start_n, 0], kv_bar, v_smem)
+
+    # Causal: the first query tile that sees a key of this tile (BLOCK_N is a multiple of BLOCK_M).
+    lo = start_n if IS_CAUSAL else 0
+    n_iter = (SQ - lo) // BLOCK_M
+    tile_bytes: gl.constexpr = 2 * q_desc.block_type.nbytes
+    for i in gl.static_range(STAGES - 1):  # Q and dO of the first tiles, in a STAGES-deep ring
+        mbarrier.expect(ready.index(i), tile_bytes, pred=i < n_iter)
+        tma.async_copy_global_to_shared(q_desc, [q_row0 + lo + i * BLOCK_M, 0], ready.index(i), q_smem.index(i),
+                                        pred=i < n_iter)
+        tma.async_copy_global_to_shared(do_desc, [q_row0 + lo + i * BLOCK_M, 0], ready.index(i),
+                                        do_smem.index(i), pred=i < n_iter)
+
+    dk = warpgroup_mma_init(gl.zeros([BLOCK_N, HEAD_D], gl.float32, L_KV))
+    dv = warpgroup_mma_init(gl.zeros([BLOCK_N, HEAD_D], gl.float32, L_KV))
+    offs_m = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, L_S))
+    cols = start_n + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, L_S))
+    mbarrier.wait(kv_bar, 0)
+    for i in range(n_iter):
+        stage = i % STAGES
+        mbarrier.wait(ready.index(stage), (i // STAGES) & 1)
+        q = q_smem.index(stage)
+        do = do_smem.index(stage)
+        start_m = lo + i * BLOCK_M
+        rows = start_m + offs_m
+        lse2 = gl.load(LSE + q_row0 + rows) * _LOG2E
+        delta = gl.load(DELTA + q_row0 + rows)
+        s_tok = warpgroup_mma(q, k_smem.permute((1, 0)), gl.zeros([BLOCK_M, BLOCK_N], gl.float32, L_S),
+                              use_acc=False, is_async=True)
+        dp_tok = warpgroup_mma(do, v_smem.permute((1, 0)), gl.zeros([BLOCK_M, BLOCK_N], gl.float32, L_S),
+                               use_acc=False, is_async=True)
+        # Waiting for S retires the last tile's dV and dK as well; after the barrier neither
+        # warp group reads its Q/dO stage, P or dS any more.
+        s, dk, dv = warpgroup_mma_wait(1, deps=(s_tok, dk, dv))
+        gl.thread_barrier()
+        nxt = i + STAGES - 1
+        mbarrier.expect(ready.index(nxt % STAGES), tile_bytes, pred=nxt < n_iter)
+        tma.async_copy_global_to_shared(q_desc, [q_row0 + lo + nxt * BLOCK_M, 0], ready.index(nxt % STAGES),
+                                        q_smem.index(nxt % STAGES), pred=nxt < n_iter)
+        tma.async_copy_global_to_shared(do_desc, [q_row0 + lo + nxt * BLOCK_M, 0], ready.index(nxt % STAGES),
+                                        do_smem.index(nxt % STAGES), pred=nxt < n_iter)
+        p = gl.exp2(s * qk_scale - gl.expand_dims(lse2, 1))
+        if IS_CAUSAL:
+            if start_m < start_n + BLOCK_N:
+                p = gl.where(gl.expand_dims(rows, 1) >= gl.expand_dims(cols, 0), p, 0.0)
+        p_smem.store(p.to(dtype))
+        dp = warpgroup_mma_wait(0, deps=(dp_tok,))
+        ds = p * (dp - gl.expand_dims(delta, 1)) * scale
+        ds_smem.store(ds.to(dtype))
+        fence_async_shared()
+        gl.thread_barrier()
+        dq_tok = warpgroup_mma(ds_smem, k_smem, gl.zeros([BLOCK_M, HEAD_D], gl.float32, L_DQ), use_acc=False,
+                               is_async=True)
+        dv = warpgroup_mma(p_smem.permute((1, 0)), do, dv, is_async=True)
+        dk = warpgroup_mma(ds_smem.permute((1, 0)), q, dk, is_async=True)
+        dq = warpgroup_mma_wait(2, deps=(dq_tok,))  # dV and dK stay in flight into the next tile
+        tma.store_wait(0)  # the last tile's reduce has read dq_smem
+        gl.thread_barrier()
+        dq_smem.store(dq)
+        fence_async_shared()
+        gl.thread_barrier()
+        _tma_reduce_add(dq_desc, [q_row0 + start_m, 0], dq_smem)
+    dk, dv = warpgroup_mma_wait(0, deps=(dk, dv))
+    tma.store_wait(0)
+    mbarrier.invalidate(kv_bar)
+    for i in gl.static_range(STAGES):
+        mbarrier.invalidate(ready.index(i))
+    # The key rows' base again from q_row0: one register less live through the loop, which
+    # ptxas repaid with 88 bytes less of spills and the kernel with ~14% less time (H200).
+    out_rows = (q_row0 // SQ) * SK + start_n + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, L_KV))
+    out_cols = gl.arange(0, HEAD_D, layout=gl.SliceLayout(0, L_KV))
+    out = gl.expand_dims(out_rows.to(gl.int64) * HEAD_D, 1) + gl.expand_dims(out_cols, 0)
+    gl.store(DK + out, dk.to(dtype))
+    gl.store(DV + out, dv.to(dtype))
+
+
 # --------------------------------------------------------------------------- launchers
 
 
@@ -308,6 +451,16 @@ def triton_fwd(q, k, v, is_causal: bool, scale: float, config: AttnConfig | None
     return out.view(q.shape), lse.view(q.shape[:-1])
 
 
+def _delta(o4: torch.Tensor, do4: torch.Tensor) -> torch.Tensor:
+    """rowsum(dO * O) of 4-d tensors, [Z, H, SQ] in fp32."""
+    Z, H, SQ, D = o4.shape
+    delta = torch.empty((Z, H, SQ), dtype=torch.float32, device=o4.device)
+    _attn_bwd_delta_kernel[(Z * H, triton.cdiv(SQ, DELTA_BLOCK_M))](
+        _desc(o4, DELTA_BLOCK_M), _desc(do4, DELTA_BLOCK_M), delta, H, SQ, HEAD_D=D, BLOCK_M=DELTA_BLOCK_M,
+    )
+    return delta
+
+
 def triton_bwd(dout, q, k, v, out, lse, is_causal: bool, scale: float, config: AttnConfig | None = None):
     """Run the Triton backward (delta, then dK/dV, then dQ); returns (dq, dk, dv)."""
     q4, k4, v4, do4, o4 = _as_4d(q), _as_4d(k), _as_4d(v), _as_4d(dout), _as_4d(out)
@@ -315,15 +468,11 @@ def triton_bwd(dout, q, k, v, out, lse, is_causal: bool, scale: float, config: A
     SK = k4.shape[2]
     cfg = config or pick_config(D, q.dtype)
     lse = lse.contiguous()
-    delta = torch.empty((Z, H, SQ), dtype=torch.float32, device=q.device)
     dq = torch.empty((Z, H, SQ, D), dtype=q.dtype, device=q.device)
     dk = torch.empty((Z, H, SK, D), dtype=k.dtype, device=q.device)
     dv = torch.empty((Z, H, SK, D), dtype=v.dtype, device=q.device)
     prec = _precision(q.dtype)
-
-    _attn_bwd_delta_kernel[(Z * H, triton.cdiv(SQ, DELTA_BLOCK_M))](
-        _desc(o4, DELTA_BLOCK_M), _desc(do4, DELTA_BLOCK_M), delta, H, SQ, HEAD_D=D, BLOCK_M=DELTA_BLOCK_M,
-    )
+    delta = _delta(o4, do4)
     for t, kernel, grid, outputs in (
         (cfg.dkdv, _attn_bwd_dkdv_kernel, (Z * H, triton.cdiv(SK, cfg.dkdv.block_n)), (dk, dv)),
         (cfg.dq, _attn_bwd_dq_kernel, (Z * H, triton.cdiv(SQ, cfg.dq.block_m)), (dq,)),
@@ -335,6 +484,45 @@ def triton_bwd(dout, q, k, v, out, lse, is_causal: bool, scale: float, config: A
             num_warps=t.num_warps, num_stages=t.num_stages,
         )
     return dq.view(q.shape), dk.view(k.shape), dv.view(v.shape)
+
+
+_GLUON_DTYPES = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16, torch.float32: gl.float32}
+
+
+def _rows_desc(t: torch.Tensor, rows: int) -> GluonTensorDescriptor:
+    """A Gluon descriptor reading [rows, D] tiles of a contiguous [..., S, D] tensor seen as [N·S, D]."""
+    flat = t.view(-1, t.shape[-1])
+    layout = gl.NVMMASharedLayout.get_default_for([rows, t.shape[-1]], _GLUON_DTYPES[t.dtype])
+    return GluonTensorDescriptor(flat, list(flat.shape), list(flat.stride()), [rows, t.shape[-1]], layout)
+
+
+def uses_hopper_bwd(q: torch.Tensor, k: torch.Tensor) -> bool:
+    """Whether the CUDA backward runs as ``hopper_bwd``: an sm_90 GPU, D = 128, 16-bit, and Sq and
+    Sk in whole key tiles. Every other input takes the two Triton kernels."""
+    return (q.is_cuda and torch.cuda.get_device_capability(q.device) == (9, 0) and q.shape[-1] == 128
+            and q.dtype in (torch.bfloat16, torch.float16)
+            and q.shape[-2] % HOPPER_BWD.block_n == 0 and k.shape[-2] % HOPPER_BWD.block_n == 0)
+
+
+def hopper_bwd(dout, q, k, v, out, lse, is_causal: bool, scale: float):
+    """Run the one-pass Gluon backward on inputs ``uses_hopper_bwd`` accepts; returns (dq, dk, dv).
+    dQ is summed in fp32 (Sq·D·4 bytes per head), then cast."""
+    q4, k4, v4, do4 = (_as_4d(t).contiguous() for t in (q, k, v, dout))
+    Z, H, SQ, D = q4.shape
+    SK = k4.shape[2]
+    t = HOPPER_BWD
+    delta = _delta(_as_4d(out), do4)
+    dq = torch.zeros((Z, H, SQ, D), dtype=torch.float32, device=q.device)
+    dk = torch.empty((Z, H, SK, D), dtype=k.dtype, device=q.device)
+    dv = torch.empty((Z, H, SK, D), dtype=v.dtype, device=q.device)
+    _attn_bwd_hopper_kernel[(SK // t.block_n, Z * H)](
+        _rows_desc(q4, t.block_m), _rows_desc(k4, t.block_n), _rows_desc(v4, t.block_n),
+        _rows_desc(do4, t.block_m), _rows_desc(dq, t.block_m), dk, dv, lse.contiguous(), delta,
+        scale * LOG2E, scale, SQ, SK,
+        IS_CAUSAL=is_causal, HEAD_D=D, BLOCK_M=t.block_m, BLOCK_N=t.block_n, STAGES=t.num_stages,
+        num_warps=t.num_warps,
+    )
+    return dq.to(q.dtype).view(q.shape), dk.view(k.shape), dv.view(v.shape)
 
 
 # --------------------------------------------------------------------------- torch (CPU) path
@@ -457,7 +645,8 @@ def flash_attention_bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v:
 @flash_attention_bwd.register_kernel("cuda")
 def _bwd_cuda(dout, q, k, v, out, lse, is_causal, scale):
     check_bwd_args(dout, q, k, v, out, lse, is_causal, scale)
-    return triton_bwd(dout, q, k, v, out, lse, is_causal, scale)
+    backward = hopper_bwd if uses_hopper_bwd(q, k) else triton_bwd
+    return backward(dout, q, k, v, out, lse, is_causal, scale)
 
 
 @flash_attention_bwd.register_fake

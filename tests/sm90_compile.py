@@ -1,4 +1,5 @@
-"""Compile the attention kernels of the 16-bit tile table for Hopper (sm_90) on the CPU.
+"""Compile the attention kernels of the 16-bit tile table, and the Gluon backward, for Hopper
+(sm_90) on the CPU.
 
     python tests/sm90_compile.py  ->  one JSON line: {"<kernel> D<d>": shared-memory bytes, ...}
 
@@ -15,6 +16,8 @@ import torch
 import triton
 import triton.compiler as tc
 from triton.backends.compiler import GPUTarget
+from triton.experimental.gluon._runtime import GluonASTSource
+from triton.runtime.jit import mangle_type
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 from custom_ops import attention as A  # noqa: E402
@@ -42,13 +45,30 @@ def kernel_sources(d: int):
         yield name, tc.ASTSource(fn=fn, signature=sig, constexprs=constexprs), t
 
 
+def hopper_bwd_sources():
+    """(name, GluonASTSource, tiles) of the Gluon backward: causal bf16 and non-causal fp16."""
+    t = A.HOPPER_BWD
+    for dtype, causal in ((torch.bfloat16, True), (torch.float16, False)):
+        def desc(rows, dt=dtype):
+            return mangle_type(A._rows_desc(torch.empty(4 * t.block_n, 128, dtype=dt), rows))
+        sig = {"q_desc": desc(t.block_m), "k_desc": desc(t.block_n), "v_desc": desc(t.block_n),
+               "do_desc": desc(t.block_m), "dq_desc": desc(t.block_m, torch.float32),
+               "DK": mangle_type(torch.empty(0, dtype=dtype)), "DV": mangle_type(torch.empty(0, dtype=dtype)),
+               "LSE": "*fp32", "DELTA": "*fp32", "qk_scale": "fp32", "scale": "fp32", "SQ": "i32", "SK": "i32"}
+        constexprs = {"IS_CAUSAL": causal, "HEAD_D": 128, "BLOCK_M": t.block_m, "BLOCK_N": t.block_n,
+                      "STAGES": t.num_stages, "num_warps": t.num_warps}
+        sig.update({k: "constexpr" for k in constexprs})
+        yield f"hopper_bwd {str(dtype)[6:]}", GluonASTSource(fn=A._attn_bwd_hopper_kernel, signature=sig,
+                                                              constexprs=constexprs), t
+
+
 def main() -> None:
     shared = {}
-    for d in A.HEAD_DIMS:
-        for name, src, t in kernel_sources(d):
-            kernel = triton.compile(src, target=GPUTarget("cuda", 90, 32),
-                                    options={"num_warps": t.num_warps, "num_stages": t.num_stages})
-            shared[f"{name} D{d}"] = kernel.metadata.shared
+    sources = [(f"{name} D{d}", src, t) for d in A.HEAD_DIMS for name, src, t in kernel_sources(d)]
+    for name, src, t in sources + list(hopper_bwd_sources()):
+        kernel = triton.compile(src, target=GPUTarget("cuda", 90, 32),
+                                options={"num_warps": t.num_warps, "num_stages": t.num_stages})
+        shared[name] = kernel.metadata.shared
     print(json.dumps(shared))
 
 

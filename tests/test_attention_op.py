@@ -206,13 +206,14 @@ HOPPER_SHARED_BYTES = 232_448  # 227 KiB: the most shared memory one thread bloc
 
 @pytest.mark.slow
 def test_tile_table_compiles_for_hopper():
-    """Every 16-bit tile-table kernel compiles for sm_90 and fits an SM's shared memory (CPU only)."""
+    """Every 16-bit tile-table kernel and the Gluon backward compile for sm_90 and fit an SM's
+    shared memory (CPU only)."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     script = Path(__file__).with_name("sm90_compile.py")
     result = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stderr[-3000:]
     shared = json.loads(result.stdout.splitlines()[-1])
-    assert len(shared) == 3 * len(A.HEAD_DIMS) and all(v > 0 for v in shared.values())
+    assert len(shared) == 3 * len(A.HEAD_DIMS) + 2 and all(v > 0 for v in shared.values())
     over = {k: v for k, v in shared.items() if v > HOPPER_SHARED_BYTES}
     assert not over, f"these tile configs need more shared memory than an SM has: {over}"
 
@@ -310,6 +311,50 @@ def test_gpu_matches_reference(b, h, sq, sk, d, causal, layout, dtype):
         assert_close((got[0], got[1], got[4]), (ref[0], ref[1], ref[4]), dtype, ("out", "lse", "dv"))
     else:
         assert_close(got, ref, dtype)
+
+
+HOPPER_CASES = [  # b, h, sq, sk, causal, layout, scale: D=128 in whole 128-row tiles
+    (2, 3, 384, 384, True, "contiguous", None),
+    (1, 2, 1024, 1024, True, "transposed", None),
+    (1, 3, 256, 640, False, "contiguous", None),
+    (2, 1, 128, 128, True, "padded", 0.5),  # one key tile; a sharper softmax
+    (1, 2, 512, 128, False, "colmajor", None),
+]
+sm90 = pytest.mark.skipif(not (HAS_CUDA and torch.cuda.get_device_capability() == (9, 0)), reason="needs an sm_90 GPU")
+
+
+@pytest.mark.gpu
+@sm90
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("b,h,sq,sk,causal,layout,scale", HOPPER_CASES)
+def test_gpu_hopper_bwd_matches_reference(b, h, sq, sk, causal, layout, scale, dtype):
+    """The Gluon backward, called directly and through the op (which must choose it)."""
+    q, k, v = make_qkv(b, h, sq, sk, 128, dtype, "cuda", layout)
+    dout = torch.randn_like(q)
+    scale = scale or 1 / math.sqrt(128)
+    assert A.uses_hopper_bwd(q, k)
+    ref = reference(q, k, v, dout, causal, scale)
+    out, lse = A.triton_fwd(q, k, v, causal, scale)
+    assert_close(A.hopper_bwd(dout, q, k, v, out, lse, causal, scale), ref[2:], dtype, ("dq", "dk", "dv"))
+    assert_close(run_op(q, k, v, dout, causal, scale), ref, dtype)
+
+
+@pytest.mark.gpu
+@sm90
+def test_gpu_hopper_bwd_dispatch_and_opcheck():
+    """Only D=128, 16-bit, whole-tile inputs take the Gluon backward; its op passes opcheck."""
+    take = make_qkv(1, 2, 256, 256, 128, torch.bfloat16, "cuda")
+    assert A.uses_hopper_bwd(*take[:2])
+    others = [  # sq, sk, d, dtype
+        (1000, 1000, 128, torch.bfloat16), (256, 256, 64, torch.bfloat16), (256, 256, 128, torch.float32),
+        (256, 200, 128, torch.float16),
+    ]
+    for sq, sk, d, dtype in others:
+        assert not A.uses_hopper_bwd(*make_qkv(1, 2, sq, sk, d, dtype, "cuda")[:2]), (sq, sk, d, dtype)
+    q, k, v = take
+    out, lse = torch.ops.cstack.flash_attention_fwd(q, k, v, True, 0.1)
+    args = (torch.randn_like(out), q, k, v, out, lse, True, 0.1)
+    torch.library.opcheck(torch.ops.cstack.flash_attention_bwd.default, args)
 
 
 @pytest.mark.gpu
