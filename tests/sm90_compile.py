@@ -1,16 +1,22 @@
 """Compile the attention kernels of the 16-bit tile table, and the Gluon backward, for Hopper
 (sm_90) on the CPU.
 
-    python tests/sm90_compile.py  ->  one JSON line: {"<kernel> D<d>": shared-memory bytes, ...}
+    python tests/sm90_compile.py  ->  one JSON line:
+        {"shared": {"<kernel> D<d>": bytes, ..., "hopper_bwd <dtype>": bytes},
+         "spills": {"hopper_bwd <dtype>": bytes of register spill stores per thread}}
 
 Triton's compiler and the ptxas it ships run without a GPU, so CPU CI can catch what the
-interpreter cannot: a kernel that does not compile for the GPU, or a tile config whose
-pipeline needs more shared memory than an SM has. Run as its own process because the
-test session defines the kernels in interpreter mode.
+interpreter cannot: a kernel that does not compile for the GPU, a tile config whose
+pipeline needs more shared memory than an SM has, or a change that makes the Gluon
+backward spill registers (its speed hangs on them: BENCHMARKS.md). Run as its own process
+because the test session defines the kernels in interpreter mode.
 """
 import json
 import os
+import re
+import subprocess
 import sys
+import tempfile
 
 import torch
 import triton
@@ -62,14 +68,29 @@ def hopper_bwd_sources():
                                                               constexprs=constexprs), t
 
 
+PTXAS = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
+
+
+def spill_bytes(ptx: str) -> int:
+    """Bytes of register spill stores per thread that ptxas reports for ``ptx`` on sm_90a."""
+    with tempfile.NamedTemporaryFile("w", suffix=".ptx") as f:
+        f.write(ptx)
+        f.flush()
+        report = subprocess.run([PTXAS, "-v", "--gpu-name", "sm_90a", f.name, "-o", os.devnull],
+                                capture_output=True, text=True, check=True).stderr
+    return sum(int(n) for n in re.findall(r"(\d+) bytes spill stores", report))
+
+
 def main() -> None:
-    shared = {}
+    shared, spills = {}, {}
     sources = [(f"{name} D{d}", src, t) for d in A.HEAD_DIMS for name, src, t in kernel_sources(d)]
     for name, src, t in sources + list(hopper_bwd_sources()):
         kernel = triton.compile(src, target=GPUTarget("cuda", 90, 32),
                                 options={"num_warps": t.num_warps, "num_stages": t.num_stages})
         shared[name] = kernel.metadata.shared
-    print(json.dumps(shared))
+        if name.startswith("hopper_bwd"):
+            spills[name] = spill_bytes(kernel.asm["ptx"])
+    print(json.dumps({"shared": shared, "spills": spills}))
 
 
 if __name__ == "__main__":

@@ -1,7 +1,9 @@
 """cstack::flash_attention_fwd / _bwd against a float64 masked-softmax reference.
 
 CPU tests cover the torch path (through the ops and autograd); interpreter tests call
-the Triton launchers on tiny CPU tensors; GPU tests run the Triton kernels in bf16/fp16.
+the Triton launchers on tiny CPU tensors; GPU tests run the Triton kernels in bf16/fp16,
+and on an sm_90 GPU the Gluon backward (which the interpreter cannot run: on the CPU it is
+only compiled for sm_90).
 """
 import json
 import math
@@ -202,20 +204,25 @@ def test_triton_kernels_broadcast_heads(scalar_loop_bounds):
 
 
 HOPPER_SHARED_BYTES = 232_448  # 227 KiB: the most shared memory one thread block gets on an H100/H200
+HOPPER_BWD_SPILL_BYTES = 128  # register spill stores per thread the bf16 Gluon backward may have
 
 
 @pytest.mark.slow
 def test_tile_table_compiles_for_hopper():
     """Every 16-bit tile-table kernel and the Gluon backward compile for sm_90 and fit an SM's
-    shared memory (CPU only)."""
+    shared memory; the Gluon backward keeps its spills (CPU only)."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     script = Path(__file__).with_name("sm90_compile.py")
     result = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stderr[-3000:]
-    shared = json.loads(result.stdout.splitlines()[-1])
+    report = json.loads(result.stdout.splitlines()[-1])
+    shared = report["shared"]
     assert len(shared) == 3 * len(A.HEAD_DIMS) + 2 and all(v > 0 for v in shared.values())
     over = {k: v for k, v in shared.items() if v > HOPPER_SHARED_BYTES}
     assert not over, f"these tile configs need more shared memory than an SM has: {over}"
+    # Measured on an H200 (BENCHMARKS.md): 100 bytes ran 47.5 ms at one rank's shape, 188 ran 14% slower.
+    spilled = report["spills"]["hopper_bwd bfloat16"]
+    assert spilled <= HOPPER_BWD_SPILL_BYTES, f"the bf16 Gluon backward spills {spilled} bytes per thread"
 
 
 # --------------------------------------------------------------------------- bad input
