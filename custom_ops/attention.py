@@ -305,6 +305,14 @@ def _tma_reduce_add(tensor_desc, coord, src, _semantic=None):
 
 
 @gluon.jit
+def _load_query_tile(q_desc, do_desc, q_smem, do_smem, ready, slot, row, pred):
+    """Start the TMA loads of Q's and dO's tile at ``row`` into ring slot ``slot`` (if ``pred``)."""
+    mbarrier.expect(ready.index(slot), 2 * q_desc.block_type.nbytes, pred=pred)
+    tma.async_copy_global_to_shared(q_desc, [row, 0], ready.index(slot), q_smem.index(slot), pred=pred)
+    tma.async_copy_global_to_shared(do_desc, [row, 0], ready.index(slot), do_smem.index(slot), pred=pred)
+
+
+@gluon.jit
 def _attn_bwd_hopper_kernel(q_desc, k_desc, v_desc, do_desc, dq_desc, DK, DV, LSE, DELTA, qk_scale, scale, SQ, SK,
                             IS_CAUSAL: gl.constexpr, HEAD_D: gl.constexpr, BLOCK_M: gl.constexpr,
                             BLOCK_N: gl.constexpr, STAGES: gl.constexpr, num_warps: gl.constexpr):
@@ -342,13 +350,8 @@ def _attn_bwd_hopper_kernel(q_desc, k_desc, v_desc, do_desc, dq_desc, DK, DV, LS
     # Causal: the first query tile that sees a key of this tile (BLOCK_N is a multiple of BLOCK_M).
     lo = start_n if IS_CAUSAL else 0
     n_iter = (SQ - lo) // BLOCK_M
-    tile_bytes: gl.constexpr = 2 * q_desc.block_type.nbytes
     for i in gl.static_range(STAGES - 1):  # Q and dO of the first tiles, in a STAGES-deep ring
-        mbarrier.expect(ready.index(i), tile_bytes, pred=i < n_iter)
-        tma.async_copy_global_to_shared(q_desc, [q_row0 + lo + i * BLOCK_M, 0], ready.index(i), q_smem.index(i),
-                                        pred=i < n_iter)
-        tma.async_copy_global_to_shared(do_desc, [q_row0 + lo + i * BLOCK_M, 0], ready.index(i),
-                                        do_smem.index(i), pred=i < n_iter)
+        _load_query_tile(q_desc, do_desc, q_smem, do_smem, ready, i, q_row0 + lo + i * BLOCK_M, i < n_iter)
 
     dk = warpgroup_mma_init(gl.zeros([BLOCK_N, HEAD_D], gl.float32, L_KV))
     dv = warpgroup_mma_init(gl.zeros([BLOCK_N, HEAD_D], gl.float32, L_KV))
@@ -373,11 +376,8 @@ def _attn_bwd_hopper_kernel(q_desc, k_desc, v_desc, do_desc, dq_desc, DK, DV, LS
         s, dk, dv = warpgroup_mma_wait(1, deps=(s_tok, dk, dv))
         gl.thread_barrier()
         nxt = i + STAGES - 1
-        mbarrier.expect(ready.index(nxt % STAGES), tile_bytes, pred=nxt < n_iter)
-        tma.async_copy_global_to_shared(q_desc, [q_row0 + lo + nxt * BLOCK_M, 0], ready.index(nxt % STAGES),
-                                        q_smem.index(nxt % STAGES), pred=nxt < n_iter)
-        tma.async_copy_global_to_shared(do_desc, [q_row0 + lo + nxt * BLOCK_M, 0], ready.index(nxt % STAGES),
-                                        do_smem.index(nxt % STAGES), pred=nxt < n_iter)
+        _load_query_tile(q_desc, do_desc, q_smem, do_smem, ready, nxt % STAGES, q_row0 + lo + nxt * BLOCK_M,
+                         nxt < n_iter)
         p = gl.exp2(s * qk_scale - gl.expand_dims(lse2, 1))
         if IS_CAUSAL:
             if start_m < start_n + BLOCK_N:
