@@ -6,8 +6,8 @@ Shapes (causal, bf16): a = B2 H32 S32768 D128 (the 8B model), b = B1 H16 S16384 
 (the 2025 FlashAttention row; backward of o.sum()). For each: forward, backward and
 forward+backward in ms and TFLOP/s (causal fwd FLOPs = 4*B*H*S^2*D/2, bwd = 2.5x, fwd+bwd
 = 3.5x), peak memory of fwd+bwd, the ratio ours/cuDNN, a relative-error check of ours
-against SDPA, and each of our backward paths alone (the two Triton kernels; on Hopper at
-D=128 also the one-pass Gluon kernel the op then runs). --sweep also times a few candidate
+against SDPA, and each of our forward and backward paths alone (the Triton kernels; on Hopper
+at D=128 also the Gluon kernels the ops then run). --sweep also times a few candidate
 tile configs for each of our Triton kernels and prints the best, to choose the entries of
 custom_ops.attention.CONFIGS. Writes $OUT/bench_attention.json when OUT is set.
 """
@@ -95,16 +95,20 @@ def check(q, k, v):
     return {n: rel(a, b) for n, a, b in zip(("out", "dq", "dk", "dv"), errs["ours"], errs["cudnn"])}
 
 
-def backward_paths(q, k, v, dout):
-    """Each CUDA backward path alone on the same inputs (ms): the two Triton kernels, and the
-    one-pass Gluon kernel where it applies (what the op runs then)."""
+def kernel_paths(q, k, v, dout):
+    """Each CUDA forward and backward path alone on the same inputs (ms): the Triton kernels, and
+    the Gluon kernels where they apply (what the ops run then)."""
     scale = 1 / math.sqrt(q.shape[-1])
     qd, kd, vd = q.detach(), k.detach(), v.detach()
     out, lse = A.triton_fwd(qd, kd, vd, True, scale)
-    paths = {"triton_bwd": A.triton_bwd}
-    if A.uses_hopper_bwd(qd, kd):
-        paths["hopper_bwd"] = A.hopper_bwd
-    return {name: bench(lambda: fn(dout, qd, kd, vd, out, lse, True, scale)) for name, fn in paths.items()}
+    forward = {"triton_fwd": A.triton_fwd}
+    backward = {"triton_bwd": A.triton_bwd}
+    if A.uses_hopper_kernels(qd, kd):
+        forward["hopper_fwd"] = A.hopper_fwd
+        backward["hopper_bwd"] = A.hopper_bwd
+    times = {name: bench(lambda: fn(qd, kd, vd, True, scale)) for name, fn in forward.items()}
+    times.update({name: bench(lambda: fn(dout, qd, kd, vd, out, lse, True, scale)) for name, fn in backward.items()})
+    return times
 
 
 def sweep(q, k, v, dout):
@@ -160,8 +164,8 @@ def main():
             entry[name] = r
             table.append((key, name, r))
         entry["ours_over_cudnn_fwd_bwd"] = entry["ours"]["fwd_bwd_ms"] / entry["cudnn"]["fwd_bwd_ms"]
-        entry["backward_paths_ms"] = backward_paths(q, k, v, dout)
-        print("  backward paths alone (ms):", {n: round(ms, 2) for n, ms in entry["backward_paths_ms"].items()})
+        entry["kernel_paths_ms"] = kernel_paths(q, k, v, dout)
+        print("  kernel paths alone (ms):", {n: round(ms, 2) for n, ms in entry["kernel_paths_ms"].items()})
         if args.sweep:
             entry["sweep"] = sweep(q, k, v, dout)
         report["shapes"][key] = entry

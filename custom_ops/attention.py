@@ -10,9 +10,11 @@ probabilities from it, so nothing of size Sq x Sk is ever stored.
 CUDA tensors run the Triton kernels below; CPU tensors run a plain-torch version that
 works in fp32 on chunks of queries. The Triton launchers (``triton_fwd``, ``triton_bwd``)
 also run on CPU tensors under ``TRITON_INTERPRET=1``, which is how the tests check them.
-On Hopper, 16-bit D=128 backwards over whole 128-row tiles (the 8B model's) run instead as
-one Gluon kernel (``hopper_bwd``): five tile matmuls per tile pair where the two Triton
-kernels need seven; 13% faster at one rank's shape, 10% inside the step (BENCHMARKS.md).
+On Hopper, 16-bit D=128 attention over whole 128-row tiles (the 8B model's) runs instead as
+Gluon kernels (``uses_hopper_kernels``): a warp-specialized forward (``hopper_fwd``, 16%
+faster than the Triton one at one rank's shape) and a one-pass backward (``hopper_bwd``: five
+tile matmuls per tile pair where the two Triton kernels need seven; 13% faster at one rank's
+shape, 10% inside the step). BENCHMARKS.md has the figures.
 """
 import math
 import os
@@ -413,6 +415,132 @@ def _attn_bwd_hopper_kernel(q_desc, k_desc, v_desc, do_desc, dq_desc, DK, DV, LS
     gl.store(DV + out, dv.to(dtype))
 
 
+# --------------------------------------------------------------------------- Hopper forward (Gluon)
+#
+# FA3's forward layout: one program per 128 queries, warp-specialized into a load warp and two
+# compute warp groups of 64 queries each, 128-key K/V tiles in a 3-deep shared-memory ring.
+# A group issues its QKᵀ of tile j before its P·V of tile j-1 (P the register operand), so the
+# softmax of tile j runs while P·V of tile j-1 is on the tensor cores; the groups sync with the
+# load warp through mbarriers only, never with each other. One rank's shape on an H200: 14.1 ms
+# against 16.7 for the Triton forward (256 x 64 tiles, whose QKᵀ matmuls are n=64 with both
+# operands in shared memory) and 15.4 for cuDNN; without the warp specialization (one CTA
+# barrier per key tile) the same loop took 17.3 ms, 21.3 with a 2-deep ring (BENCHMARKS.md).
+
+HOPPER_FWD = Tiles(block_m=128, block_n=128, num_warps=4, num_stages=3)  # num_warps: per compute warp group
+HOPPER_FWD_COMPUTE_REGS = 232  # registers per thread of the second compute warp group (the load warp gets 24)
+
+
+@gluon.jit
+def _fwd_hopper_load(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, ready, empty, q_row, k_row0, n_iter):
+    """The load warp: Q once, then K and V tiles into the ring as the compute groups free slots."""
+    STAGES: gl.constexpr = k_smem.type.shape[0]
+    BLOCK_N: gl.constexpr = k_smem.type.shape[1]
+    mbarrier.expect(q_bar, q_desc.block_type.nbytes)
+    tma.async_copy_global_to_shared(q_desc, [q_row, 0], q_bar, q_smem)
+    for j in range(n_iter):
+        slot = j % STAGES
+        mbarrier.wait(empty.index(slot), ((j // STAGES) & 1) ^ 1)  # the first round passes
+        mbarrier.expect(ready.index(slot), 2 * k_desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(k_desc, [k_row0 + j * BLOCK_N, 0], ready.index(slot), k_smem.index(slot))
+        tma.async_copy_global_to_shared(v_desc, [k_row0 + j * BLOCK_N, 0], ready.index(slot), v_smem.index(slot))
+
+
+@gluon.jit
+def _mask_after_diagonal(s, rows, start_n, start_m, IS_CAUSAL: gl.constexpr):
+    """Causal: scores of the key tile at ``start_n`` set to -inf where the key comes after the
+    query (``rows``: the queries' positions); only tiles reaching the diagonal do any work."""
+    if IS_CAUSAL:
+        BLOCK_N: gl.constexpr = s.type.shape[1]
+        if start_n + BLOCK_N > start_m:
+            cols = start_n + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s.type.layout))
+            s = gl.where(gl.expand_dims(rows, 1) >= gl.expand_dims(cols, 0), s, float("-inf"))
+    return s
+
+
+@gluon.jit
+def _fwd_hopper_compute(GROUP: gl.constexpr, o_desc, q_smem, k_smem, v_smem, q_bar, ready, empty, LSE, qk_scale,
+                        q_row, start_m, n_iter, IS_CAUSAL: gl.constexpr):
+    """One compute warp group: online softmax over the key tiles for its 64 queries, then O
+    through its (no longer needed) Q rows in shared memory and a TMA store."""
+    STAGES: gl.constexpr = k_smem.type.shape[0]
+    BLOCK_N: gl.constexpr = k_smem.type.shape[1]
+    HEAD_D: gl.constexpr = k_smem.type.shape[2]
+    ROWS: gl.constexpr = o_desc.block_type.shape[0]
+    dtype: gl.constexpr = k_smem.dtype
+    L_S: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK_N, 16])
+    L_O: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, HEAD_D, 16])
+    P_OPERAND: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=L_O, k_width=2)
+    q = q_smem.slice(GROUP * ROWS, ROWS)
+    rows = start_m + GROUP * ROWS + gl.arange(0, ROWS, layout=gl.SliceLayout(1, L_S))
+    acc = gl.zeros([ROWS, HEAD_D], gl.float32, L_O)
+    mbarrier.wait(q_bar, 0)
+    mbarrier.wait(ready.index(0), 0)
+    # Tile 0 alone: S, then P; the loop then runs P·V of tile j-1 under the softmax of tile j.
+    s = warpgroup_mma(q, k_smem.index(0).permute((1, 0)), gl.zeros([ROWS, BLOCK_N], gl.float32, L_S), use_acc=False)
+    s = _mask_after_diagonal(s, rows, 0, start_m, IS_CAUSAL)
+    # Scores stay unscaled; scale*log2(e) is folded into the exp2 argument.
+    m_i = gl.max(s, 1) * qk_scale
+    p = gl.exp2(s * qk_scale - gl.expand_dims(m_i, 1))
+    l_i = gl.sum(p, 1)
+    p = gl.convert_layout(p.to(dtype), P_OPERAND)
+    for j in range(1, n_iter):
+        slot = j % STAGES
+        prev = (j - 1) % STAGES
+        mbarrier.wait(ready.index(slot), (j // STAGES) & 1)
+        s_tok = warpgroup_mma(q, k_smem.index(slot).permute((1, 0)), gl.zeros([ROWS, BLOCK_N], gl.float32, L_S),
+                              use_acc=False, is_async=True)
+        acc = warpgroup_mma(p, v_smem.index(prev), acc, is_async=True)
+        s = _mask_after_diagonal(warpgroup_mma_wait(1, deps=(s_tok,)), rows, j * BLOCK_N, start_m, IS_CAUSAL)
+        m_new = gl.maximum(m_i, gl.max(s, 1) * qk_scale)
+        p_new = gl.exp2(s * qk_scale - gl.expand_dims(m_new, 1))
+        alpha = gl.exp2(m_i - m_new)
+        l_i = l_i * alpha + gl.sum(p_new, 1)
+        m_i = m_new
+        acc, p = warpgroup_mma_wait(0, deps=(acc, p))
+        mbarrier.arrive(empty.index(prev), count=1)  # this group is done with tile j-1's K and V
+        acc = acc * gl.expand_dims(gl.convert_layout(alpha, gl.SliceLayout(1, L_O)), 1)
+        p = gl.convert_layout(p_new.to(dtype), P_OPERAND)
+    acc = warpgroup_mma(p, v_smem.index((n_iter - 1) % STAGES), acc)
+    acc = acc / gl.expand_dims(gl.convert_layout(l_i, gl.SliceLayout(1, L_O)), 1)
+    gl.store(LSE + rows, (m_i + gl.log2(l_i)) * _LN2)
+    q.store(acc.to(dtype))  # only this group reads these Q rows
+    fence_async_shared()
+    gl.thread_barrier()  # of this warp group
+    tma.async_copy_shared_to_global(o_desc, [q_row + GROUP * ROWS, 0], q)
+    tma.store_wait(0)
+
+
+@gluon.jit
+def _attn_fwd_hopper_kernel(q_desc, k_desc, v_desc, o_desc, LSE, qk_scale, SQ, SK,
+                            IS_CAUSAL: gl.constexpr, HEAD_D: gl.constexpr, BLOCK_M: gl.constexpr,
+                            BLOCK_N: gl.constexpr, STAGES: gl.constexpr, COMPUTE_REGS: gl.constexpr):
+    # Descriptors read [B·H·S, D]; SQ and SK are whole tiles. Largest causal query tiles first.
+    start_m = (gl.num_programs(0) - 1 - gl.program_id(0)) * BLOCK_M
+    zh = gl.program_id(1)
+    dtype: gl.constexpr = q_desc.dtype
+    q_smem = gl.allocate_shared_memory(dtype, [BLOCK_M, HEAD_D], q_desc.layout)
+    k_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD_D], k_desc.layout)
+    v_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD_D], v_desc.layout)
+    q_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    mbarrier.init(q_bar, count=1)
+    for i in gl.static_range(STAGES):
+        mbarrier.init(ready.index(i), count=1)
+        mbarrier.init(empty.index(i), count=2)  # one arrival per compute group
+    n_iter = (start_m + BLOCK_M if IS_CAUSAL else SK) // BLOCK_N
+    q_row = zh * SQ + start_m
+    lse = LSE + zh * SQ
+    gl.warp_specialize([
+        (_fwd_hopper_compute, (0, o_desc, q_smem, k_smem, v_smem, q_bar, ready, empty, lse, qk_scale, q_row, start_m,
+                               n_iter, IS_CAUSAL)),
+        (_fwd_hopper_compute, (1, o_desc, q_smem, k_smem, v_smem, q_bar, ready, empty, lse, qk_scale, q_row, start_m,
+                               n_iter, IS_CAUSAL)),
+        (_fwd_hopper_load, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, ready, empty, q_row, zh * SK,
+                            n_iter)),
+    ], [4, 1], [COMPUTE_REGS, 24])
+
+
 # --------------------------------------------------------------------------- launchers
 
 
@@ -496,16 +624,33 @@ def _rows_desc(t: torch.Tensor, rows: int) -> GluonTensorDescriptor:
     return GluonTensorDescriptor(flat, list(flat.shape), list(flat.stride()), [rows, t.shape[-1]], layout)
 
 
-def uses_hopper_bwd(q: torch.Tensor, k: torch.Tensor) -> bool:
-    """Whether the CUDA backward runs as ``hopper_bwd``: an sm_90 GPU, D = 128, 16-bit, and Sq and
-    Sk in whole key tiles. Every other input takes the two Triton kernels."""
+def uses_hopper_kernels(q: torch.Tensor, k: torch.Tensor) -> bool:
+    """Whether the CUDA ops run the Gluon kernels (``hopper_fwd``, ``hopper_bwd``): an sm_90 GPU,
+    D = 128, 16-bit, and Sq and Sk in whole 128-row tiles. Every other input takes the Triton ones."""
     return (q.is_cuda and torch.cuda.get_device_capability(q.device) == (9, 0) and q.shape[-1] == 128
             and q.dtype in (torch.bfloat16, torch.float16)
             and q.shape[-2] % HOPPER_BWD.block_n == 0 and k.shape[-2] % HOPPER_BWD.block_n == 0)
 
 
+def hopper_fwd(q, k, v, is_causal: bool, scale: float):
+    """Run the warp-specialized Gluon forward on inputs ``uses_hopper_kernels`` accepts; returns (out, lse)."""
+    q4, k4, v4 = (_as_4d(t).contiguous() for t in (q, k, v))
+    Z, H, SQ, D = q4.shape
+    SK = k4.shape[2]
+    t = HOPPER_FWD
+    out = torch.empty((Z, H, SQ, D), dtype=q.dtype, device=q.device)
+    lse = torch.empty((Z, H, SQ), dtype=torch.float32, device=q.device)
+    _attn_fwd_hopper_kernel[(SQ // t.block_m, Z * H)](
+        _rows_desc(q4, t.block_m), _rows_desc(k4, t.block_n), _rows_desc(v4, t.block_n),
+        _rows_desc(out, t.block_m // 2), lse, scale * LOG2E, SQ, SK,
+        IS_CAUSAL=is_causal, HEAD_D=D, BLOCK_M=t.block_m, BLOCK_N=t.block_n, STAGES=t.num_stages,
+        COMPUTE_REGS=HOPPER_FWD_COMPUTE_REGS, num_warps=t.num_warps,
+    )
+    return out.view(q.shape), lse.view(q.shape[:-1])
+
+
 def hopper_bwd(dout, q, k, v, out, lse, is_causal: bool, scale: float):
-    """Run the one-pass Gluon backward on inputs ``uses_hopper_bwd`` accepts; returns (dq, dk, dv).
+    """Run the one-pass Gluon backward on inputs ``uses_hopper_kernels`` accepts; returns (dq, dk, dv).
     dQ is summed in fp32 (Sq·D·4 bytes per head), then cast."""
     q4, k4, v4, do4 = (_as_4d(t).contiguous() for t in (q, k, v, dout))
     Z, H, SQ, D = q4.shape
@@ -625,7 +770,8 @@ def flash_attention_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_ca
 @flash_attention_fwd.register_kernel("cuda")
 def _fwd_cuda(q, k, v, is_causal, scale):
     check_attention_args(q, k, v, is_causal, scale)
-    return triton_fwd(q, k, v, is_causal, scale)
+    forward = hopper_fwd if uses_hopper_kernels(q, k) else triton_fwd
+    return forward(q, k, v, is_causal, scale)
 
 
 @flash_attention_fwd.register_fake
@@ -645,7 +791,7 @@ def flash_attention_bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v:
 @flash_attention_bwd.register_kernel("cuda")
 def _bwd_cuda(dout, q, k, v, out, lse, is_causal, scale):
     check_bwd_args(dout, q, k, v, out, lse, is_causal, scale)
-    backward = hopper_bwd if uses_hopper_bwd(q, k) else triton_bwd
+    backward = hopper_bwd if uses_hopper_kernels(q, k) else triton_bwd
     return backward(dout, q, k, v, out, lse, is_causal, scale)
 
 

@@ -1,14 +1,14 @@
-"""Compile the attention kernels of the 16-bit tile table, and the Gluon backward, for Hopper
-(sm_90) on the CPU.
+"""Compile the attention kernels of the 16-bit tile table, and the Gluon forward and backward,
+for Hopper (sm_90) on the CPU.
 
     python tests/sm90_compile.py  ->  one JSON line:
-        {"shared": {"<kernel> D<d>": bytes, ..., "hopper_bwd <dtype>": bytes},
-         "spills": {"hopper_bwd <dtype>": bytes of register spill stores per thread}}
+        {"shared": {"<kernel> D<d>": bytes, ..., "hopper_bwd <dtype>": bytes, "hopper_fwd <dtype>": bytes},
+         "spills": {"hopper_bwd <dtype>": bytes of register spill stores per thread, "hopper_fwd <dtype>": ...}}
 
 Triton's compiler and the ptxas it ships run without a GPU, so CPU CI can catch what the
 interpreter cannot: a kernel that does not compile for the GPU, a tile config whose
-pipeline needs more shared memory than an SM has, or a change that makes the Gluon
-backward spill registers (its speed hangs on them: BENCHMARKS.md). Run as its own process
+pipeline needs more shared memory than an SM has, or a change that makes a Gluon kernel
+spill registers (their speed hangs on them: BENCHMARKS.md). Run as its own process
 because the test session defines the kernels in interpreter mode.
 """
 import json
@@ -51,21 +51,33 @@ def kernel_sources(d: int):
         yield name, tc.ASTSource(fn=fn, signature=sig, constexprs=constexprs), t
 
 
-def hopper_bwd_sources():
-    """(name, GluonASTSource, tiles) of the Gluon backward: causal bf16 and non-causal fp16."""
-    t = A.HOPPER_BWD
+def _gluon_desc(rows: int, dtype: torch.dtype) -> str:
+    return mangle_type(A._rows_desc(torch.empty(512, 128, dtype=dtype), rows))
+
+
+def gluon_sources():
+    """(name, GluonASTSource, tiles) of the Gluon forward and backward: causal bf16 and non-causal fp16."""
+    fwd, bwd = A.HOPPER_FWD, A.HOPPER_BWD
     for dtype, causal in ((torch.bfloat16, True), (torch.float16, False)):
-        def desc(rows, dt=dtype):
-            return mangle_type(A._rows_desc(torch.empty(4 * t.block_n, 128, dtype=dt), rows))
-        sig = {"q_desc": desc(t.block_m), "k_desc": desc(t.block_n), "v_desc": desc(t.block_n),
-               "do_desc": desc(t.block_m), "dq_desc": desc(t.block_m, torch.float32),
-               "DK": mangle_type(torch.empty(0, dtype=dtype)), "DV": mangle_type(torch.empty(0, dtype=dtype)),
-               "LSE": "*fp32", "DELTA": "*fp32", "qk_scale": "fp32", "scale": "fp32", "SQ": "i32", "SK": "i32"}
-        constexprs = {"IS_CAUSAL": causal, "HEAD_D": 128, "BLOCK_M": t.block_m, "BLOCK_N": t.block_n,
-                      "STAGES": t.num_stages, "num_warps": t.num_warps}
-        sig.update({k: "constexpr" for k in constexprs})
-        yield f"hopper_bwd {str(dtype)[6:]}", GluonASTSource(fn=A._attn_bwd_hopper_kernel, signature=sig,
-                                                              constexprs=constexprs), t
+        tensor = mangle_type(torch.empty(0, dtype=dtype))
+        kernels = {
+            "hopper_fwd": (A._attn_fwd_hopper_kernel, fwd, {
+                "q_desc": _gluon_desc(fwd.block_m, dtype), "k_desc": _gluon_desc(fwd.block_n, dtype),
+                "v_desc": _gluon_desc(fwd.block_n, dtype), "o_desc": _gluon_desc(fwd.block_m // 2, dtype),
+                "LSE": "*fp32", "qk_scale": "fp32", "SQ": "i32", "SK": "i32",
+            }, {"COMPUTE_REGS": A.HOPPER_FWD_COMPUTE_REGS}),
+            "hopper_bwd": (A._attn_bwd_hopper_kernel, bwd, {
+                "q_desc": _gluon_desc(bwd.block_m, dtype), "k_desc": _gluon_desc(bwd.block_n, dtype),
+                "v_desc": _gluon_desc(bwd.block_n, dtype), "do_desc": _gluon_desc(bwd.block_m, dtype),
+                "dq_desc": _gluon_desc(bwd.block_m, torch.float32), "DK": tensor, "DV": tensor,
+                "LSE": "*fp32", "DELTA": "*fp32", "qk_scale": "fp32", "scale": "fp32", "SQ": "i32", "SK": "i32",
+            }, {"num_warps": bwd.num_warps}),
+        }
+        for name, (fn, t, sig, extra) in kernels.items():
+            constexprs = {"IS_CAUSAL": causal, "HEAD_D": 128, "BLOCK_M": t.block_m, "BLOCK_N": t.block_n,
+                          "STAGES": t.num_stages, **extra}
+            sig.update({k: "constexpr" for k in constexprs})
+            yield f"{name} {str(dtype)[6:]}", GluonASTSource(fn=fn, signature=sig, constexprs=constexprs), t
 
 
 PTXAS = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
@@ -84,11 +96,11 @@ def spill_bytes(ptx: str) -> int:
 def main() -> None:
     shared, spills = {}, {}
     sources = [(f"{name} D{d}", src, t) for d in A.HEAD_DIMS for name, src, t in kernel_sources(d)]
-    for name, src, t in sources + list(hopper_bwd_sources()):
+    for name, src, t in sources + list(gluon_sources()):
         kernel = triton.compile(src, target=GPUTarget("cuda", 90, 32),
                                 options={"num_warps": t.num_warps, "num_stages": t.num_stages})
         shared[name] = kernel.metadata.shared
-        if name.startswith("hopper_bwd"):
+        if name.startswith("hopper"):
             spills[name] = spill_bytes(kernel.asm["ptx"])
     print(json.dumps({"shared": shared, "spills": spills}))
 

@@ -209,20 +209,22 @@ HOPPER_BWD_SPILL_BYTES = 128  # register spill stores per thread the bf16 Gluon 
 
 @pytest.mark.slow
 def test_tile_table_compiles_for_hopper():
-    """Every 16-bit tile-table kernel and the Gluon backward compile for sm_90 and fit an SM's
-    shared memory; the Gluon backward keeps its spills (CPU only)."""
+    """Every 16-bit tile-table kernel and the Gluon forward and backward compile for sm_90 and fit
+    an SM's shared memory; the Gluon backward keeps its spills, the forward has none (CPU only)."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     script = Path(__file__).with_name("sm90_compile.py")
     result = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stderr[-3000:]
     report = json.loads(result.stdout.splitlines()[-1])
     shared = report["shared"]
-    assert len(shared) == 3 * len(A.HEAD_DIMS) + 2 and all(v > 0 for v in shared.values())
+    assert len(shared) == 3 * len(A.HEAD_DIMS) + 4 and all(v > 0 for v in shared.values())
     over = {k: v for k, v in shared.items() if v > HOPPER_SHARED_BYTES}
     assert not over, f"these tile configs need more shared memory than an SM has: {over}"
     # Measured on an H200 (BENCHMARKS.md): 100 bytes ran 47.5 ms at one rank's shape, 188 ran 14% slower.
     spilled = report["spills"]["hopper_bwd bfloat16"]
     assert spilled <= HOPPER_BWD_SPILL_BYTES, f"the bf16 Gluon backward spills {spilled} bytes per thread"
+    fwd_spills = {k: v for k, v in report["spills"].items() if k.startswith("hopper_fwd")}
+    assert len(fwd_spills) == 2 and not any(fwd_spills.values()), f"the Gluon forward spills: {fwd_spills}"
 
 
 # --------------------------------------------------------------------------- bad input
@@ -323,6 +325,7 @@ def test_gpu_matches_reference(b, h, sq, sk, d, causal, layout, dtype):
 HOPPER_CASES = [  # b, h, sq, sk, causal, layout, scale: D=128 in whole 128-row tiles
     (2, 3, 384, 384, True, "contiguous", None),
     (1, 2, 1024, 1024, True, "transposed", None),
+    (2, 3, 256, 256, False, "transposed", None),
     (1, 3, 256, 640, False, "contiguous", None),
     (2, 1, 128, 128, True, "padded", 0.5),  # one key tile; a sharper softmax
     (1, 2, 512, 128, False, "colmajor", None),
@@ -334,31 +337,45 @@ sm90 = pytest.mark.skipif(not (HAS_CUDA and torch.cuda.get_device_capability() =
 @sm90
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("b,h,sq,sk,causal,layout,scale", HOPPER_CASES)
-def test_gpu_hopper_bwd_matches_reference(b, h, sq, sk, causal, layout, scale, dtype):
-    """The Gluon backward, called directly and through the op (which must choose it)."""
+def test_gpu_hopper_kernels_match_reference(b, h, sq, sk, causal, layout, scale, dtype):
+    """The Gluon forward and backward, called directly and through the ops (which must choose them)."""
     q, k, v = make_qkv(b, h, sq, sk, 128, dtype, "cuda", layout)
     dout = torch.randn_like(q)
     scale = scale or 1 / math.sqrt(128)
-    assert A.uses_hopper_bwd(q, k)
+    assert A.uses_hopper_kernels(q, k)
     ref = reference(q, k, v, dout, causal, scale)
-    out, lse = A.triton_fwd(q, k, v, causal, scale)
+    out, lse = A.hopper_fwd(q, k, v, causal, scale)
+    assert_close((out, lse), ref[:2], dtype, ("out", "lse"))
     assert_close(A.hopper_bwd(dout, q, k, v, out, lse, causal, scale), ref[2:], dtype, ("dq", "dk", "dv"))
     assert_close(run_op(q, k, v, dout, causal, scale), ref, dtype)
 
 
 @pytest.mark.gpu
 @sm90
-def test_gpu_hopper_bwd_dispatch_and_opcheck():
-    """Only D=128, 16-bit, whole-tile inputs take the Gluon backward; its op passes opcheck."""
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_gpu_hopper_bwd_step_layouts(dtype):
+    """The step's mix: q and k dense, v and dO split from [B, S, H·D] projections (read in place)."""
+    q, k = make_qkv(2, 3, 384, 384, 128, dtype, "cuda")[:2]
+    v, dout = (make((2, 3, 384, 128), dtype, "cuda", "transposed") for _ in range(2))
+    ref = reference(q, k, v, dout, True, 0.125)
+    out, lse = A.triton_fwd(q, k, v, True, 0.125)
+    assert_close(A.hopper_bwd(dout, q, k, v, out, lse, True, 0.125), ref[2:], dtype, ("dq", "dk", "dv"))
+
+
+@pytest.mark.gpu
+@sm90
+def test_gpu_hopper_dispatch_and_opcheck():
+    """Only D=128, 16-bit, whole-tile inputs take the Gluon kernels; both ops pass opcheck on them."""
     take = make_qkv(1, 2, 256, 256, 128, torch.bfloat16, "cuda")
-    assert A.uses_hopper_bwd(*take[:2])
+    assert A.uses_hopper_kernels(*take[:2])
     others = [  # sq, sk, d, dtype
         (1000, 1000, 128, torch.bfloat16), (256, 256, 64, torch.bfloat16), (256, 256, 128, torch.float32),
         (256, 200, 128, torch.float16),
     ]
     for sq, sk, d, dtype in others:
-        assert not A.uses_hopper_bwd(*make_qkv(1, 2, sq, sk, d, dtype, "cuda")[:2]), (sq, sk, d, dtype)
+        assert not A.uses_hopper_kernels(*make_qkv(1, 2, sq, sk, d, dtype, "cuda")[:2]), (sq, sk, d, dtype)
     q, k, v = take
+    torch.library.opcheck(torch.ops.cstack.flash_attention_fwd.default, (q, k, v, True, 0.1))
     out, lse = torch.ops.cstack.flash_attention_fwd(q, k, v, True, 0.1)
     args = (torch.randn_like(out), q, k, v, out, lse, True, 0.1)
     torch.library.opcheck(torch.ops.cstack.flash_attention_bwd.default, args)
