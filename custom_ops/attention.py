@@ -427,7 +427,7 @@ def _attn_bwd_hopper_kernel(q_desc, k_desc, v_desc, do_desc, dq_desc, DK, DV, LS
 # barrier per key tile) the same loop took 17.3 ms, 21.3 with a 2-deep ring (BENCHMARKS.md).
 
 HOPPER_FWD = Tiles(block_m=128, block_n=128, num_warps=4, num_stages=3)  # num_warps: per compute warp group
-HOPPER_FWD_COMPUTE_REGS = 232  # registers per thread of the second compute warp group (the load warp gets 24)
+HOPPER_FWD_COMPUTE_REGS = 232  # registers per thread set for the worker compute warp group (the load warp: 24)
 
 
 @gluon.jit
@@ -627,9 +627,9 @@ def _rows_desc(t: torch.Tensor, rows: int) -> GluonTensorDescriptor:
 def uses_hopper_kernels(q: torch.Tensor, k: torch.Tensor) -> bool:
     """Whether the CUDA ops run the Gluon kernels (``hopper_fwd``, ``hopper_bwd``): an sm_90 GPU,
     D = 128, 16-bit, and Sq and Sk in whole 128-row tiles. Every other input takes the Triton ones."""
+    tile = math.lcm(HOPPER_FWD.block_m, HOPPER_FWD.block_n, HOPPER_BWD.block_m, HOPPER_BWD.block_n)
     return (q.is_cuda and torch.cuda.get_device_capability(q.device) == (9, 0) and q.shape[-1] == 128
-            and q.dtype in (torch.bfloat16, torch.float16)
-            and q.shape[-2] % HOPPER_BWD.block_n == 0 and k.shape[-2] % HOPPER_BWD.block_n == 0)
+            and q.dtype in (torch.bfloat16, torch.float16) and q.shape[-2] % tile == 0 and k.shape[-2] % tile == 0)
 
 
 def hopper_fwd(q, k, v, is_causal: bool, scale: float):
