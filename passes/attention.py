@@ -429,15 +429,30 @@ def _replace(graph, old, new) -> None:
     old.replace_all_uses_with(new)
 
 
+def _dense(graph, node):
+    """``node``, copied to a contiguous tensor in the graph if it is a strided view: v and the
+    output grad are [S, H·D] matmul outputs seen head-major when a rank holds one sequence, and
+    the Hopper kernels read dense [S, D] rows. Left to the op, the copy was aten's strided copy
+    (2.4× slower than Inductor's on the H200, BENCHMARKS.md), in the forward and again in the
+    backward; here Inductor generates it, and the partitioner saves or recomputes it as it does
+    the rest (at the two-GPU budget the forward's copy of v is saved)."""
+    val = fake_value(node)
+    if val is None or val.is_contiguous():
+        return node
+    return insert_call(graph, aten.clone.default, (node,), {"memory_format": torch.contiguous_format})
+
+
 def _flash(graph, q, k, v, causal, scale, grad, where_fwd, where_bwd):
     """Insert our forward (and backward when `grad` is given); returns out, (dq, dk, dv) nodes."""
     with graph.inserting_before(where_fwd):
+        q, k, v = (_dense(graph, t) for t in (q, k, v))
         fwd = insert_call(graph, torch.ops.cstack.flash_attention_fwd.default, (q, k, v, causal, scale))
         out, lse = (insert_call(graph, operator.getitem, (fwd, i)) for i in (0, 1))
     save_for_backward(fwd, out, lse)
     if grad is None:
         return out, None
     with graph.inserting_before(where_bwd):
+        grad = _dense(graph, grad)
         bwd = insert_call(graph, torch.ops.cstack.flash_attention_bwd.default, (grad, q, k, v, out, lse, causal, scale))
         return out, tuple(insert_call(graph, operator.getitem, (bwd, i)) for i in range(3))
 

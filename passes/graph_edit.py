@@ -19,13 +19,19 @@ def fake_value(node, index: int | None = None):
 def insert_call(graph: torch.fx.Graph, target, args, kwargs=None, fake_mode=None) -> torch.fx.Node:
     """A call node at the graph's insert point, with ``meta['val']`` computed from its arguments'
     fake values (the partitioner and Inductor read it), under ``fake_mode`` or the arguments' own.
-    Without a fake mode, as in a graph traced without fake values, the node gets no value."""
+    Without a fake mode, as in a graph traced without fake values, the node gets no value.
+
+    The fake arguments are also kept as ``meta['eager_input_vals']``: Inductor holds a custom
+    op's inputs to exactly those strides only when they are there, and leaves the layout of an op
+    a pass inserted without them to its own choice (a strided view where the graph copied the
+    input dense)."""
     node = graph.call_function(target, tuple(args), kwargs or {})
     fake_args, fake_kwargs = map_arg((node.args, node.kwargs), fake_value)
     fake_mode = fake_mode or detect_fake_mode((fake_args, fake_kwargs))
     if fake_mode is not None:
         with fake_mode:
             node.meta["val"] = target(*fake_args, **fake_kwargs)
+        node.meta["eager_input_vals"] = (fake_args, fake_kwargs)
     return node
 
 

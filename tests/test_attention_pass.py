@@ -11,6 +11,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+import custom_ops.attention
 import passes.attention  # noqa: F401  (registers the pass)
 from compile_stack.capture import PassBackend
 from compile_stack.config import PRESETS
@@ -225,6 +226,32 @@ def test_only_q_needs_grad():
     assert torch.ops.cstack.flash_attention_bwd.default in _ops(GRAPHS)
     assert _square_tensors(GRAPHS) == []
     _close(eager, compiled, 1e-4)
+
+
+@pytest.mark.parametrize("batch", [1, 2])
+def test_op_inputs_dense(batch, monkeypatch):
+    """With one sequence, q, k, v and the output grad reach the bmms as strided views of the
+    projection; the pass copies them dense in the graph, the backward reads the forward's copies
+    of q, k, v (placeholders of its graph), and Inductor hands the ops exactly these layouts."""
+    seen = []
+    for name in ("torch_fwd", "torch_bwd"):
+        impl = getattr(custom_ops.attention, name)
+        monkeypatch.setattr(custom_ops.attention, name, lambda *args, impl=impl: (
+            seen.append([a.is_contiguous() for a in args if isinstance(a, torch.Tensor)]), impl(*args))[1])
+    model, x = Model(causal_attention, layers=1), _input(torch.float32, b=batch)
+    eager, compiled = _run(model, x, codegen=True)  # may be a compile-cache hit: no graphs seen
+    assert seen == [[True] * 3, [True] * 6]  # at run time: forward (q, k, v), backward (dO … lse)
+    _close(eager, compiled, 1e-4)
+    _run(model, x)
+    fwd_graph, bwd_graph = GRAPHS
+    (fwd,) = [n for n in fwd_graph.nodes if n.target is torch.ops.cstack.flash_attention_fwd.default]
+    (bwd,) = [n for n in bwd_graph.nodes if n.target is torch.ops.cstack.flash_attention_bwd.default]
+    for arg in (*fwd.args[:3], *bwd.args[:6]):
+        assert arg.meta["val"].is_contiguous(), (arg, arg.meta["val"].stride())
+    assert all(arg.op == "placeholder" for arg in bwd.args[1:6])
+    copied = [a.target is torch.ops.aten.clone.default for a in fwd.args[:3]]
+    # Two sequences: the bmms' reshapes already copied q and v; k is the transpose of kᵀ's copy.
+    assert copied == ([True] * 3 if batch == 1 else [False, True, False])
 
 
 @pytest.mark.parametrize("attn, why", [(triu_mask, "not causal"), (off_by_one_mask, "not causal")],
