@@ -228,6 +228,14 @@ def test_only_q_needs_grad():
     _close(eager, compiled, 1e-4)
 
 
+def _noting_layouts(impl, seen: list):
+    """``impl``, noting on each call which of its tensor arguments are contiguous."""
+    def run(*args):
+        seen.append([a.is_contiguous() for a in args if isinstance(a, torch.Tensor)])
+        return impl(*args)
+    return run
+
+
 @pytest.mark.parametrize("batch", [1, 2])
 def test_op_inputs_dense(batch, monkeypatch):
     """With one sequence, q, k, v and the output grad reach the bmms as strided views of the
@@ -235,9 +243,7 @@ def test_op_inputs_dense(batch, monkeypatch):
     of q, k, v (placeholders of its graph), and Inductor hands the ops exactly these layouts."""
     seen = []
     for name in ("torch_fwd", "torch_bwd"):
-        impl = getattr(custom_ops.attention, name)
-        monkeypatch.setattr(custom_ops.attention, name, lambda *args, impl=impl: (
-            seen.append([a.is_contiguous() for a in args if isinstance(a, torch.Tensor)]), impl(*args))[1])
+        monkeypatch.setattr(custom_ops.attention, name, _noting_layouts(getattr(custom_ops.attention, name), seen))
     model, x = Model(causal_attention, layers=1), _input(torch.float32, b=batch)
     eager, compiled = _run(model, x, codegen=True)  # may be a compile-cache hit: no graphs seen
     assert seen == [[True] * 3, [True] * 6]  # at run time: forward (q, k, v), backward (dO … lse)
