@@ -42,6 +42,7 @@ import torch.nn as nn
 from torch.distributed.fsdp import FSDPModule, fully_shard
 from torch.distributed.tensor import DTensor
 
+from compile_stack.profiling import categorize, is_device_work, record
 from compile_stack.reference import Transformer
 from compile_stack.regional import BlockwiseLoss
 from compile_stack.step import StepOptions, compile_backends, step_context
@@ -243,19 +244,22 @@ def profile_overlap(step_fn: Callable[[], object]) -> dict | None:
     """
     if not torch.cuda.is_available():
         return None
-    from torch.autograd import DeviceType
-
-    from compile_stack.profiling import categorize, record
-
-    comm, compute = [], []
-    for event in record(step_fn).events():
-        if event.device_type == DeviceType.CUDA and event.time_range.end > event.time_range.start:
-            kind = comm if categorize(event.name) == "communication" else compute
-            kind.append((event.time_range.start, event.time_range.end))
-    stats = interval_overlap(comm, compute)
+    stats = interval_overlap(*device_intervals(record(step_fn).events()))
     result = {f"{k}_ms": round(v / 1e3, 3) for k, v in stats.items() if k != "hidden_fraction"}
     result["hidden_fraction"] = None if stats["hidden_fraction"] is None else round(stats["hidden_fraction"], 4)
     return result
+
+
+def device_intervals(events) -> tuple[list[tuple[float, float]], list[tuple[float, float]]]:
+    """(start, end) of each NCCL kernel and of each other piece of device work. Annotation spans
+    are left out: FSDP's ``FSDP::all_gather`` span covers its collective and would count as
+    compute hiding it."""
+    comm, compute = [], []
+    for event in events:
+        if is_device_work(event) and event.time_range.end > event.time_range.start:
+            kind = comm if categorize(event.name) == "communication" else compute
+            kind.append((event.time_range.start, event.time_range.end))
+    return comm, compute
 
 
 def rank_summary(step_ms: float, peak_mem_gib: float) -> dict:

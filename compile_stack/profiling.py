@@ -68,14 +68,21 @@ def profile_step(step_fn, cfg: ModelConfig, trace_path: str) -> dict:
     return breakdown(prof.key_averages(), cfg)
 
 
+def is_device_work(event) -> bool:
+    """Whether a profiler event is work on the GPU's timeline (a kernel, memcpy or memset): not a
+    CPU op, and not the GPU-side span the profiler adds for a ``record_function`` range
+    (``nccl:*``, FSDP's ``FSDP::*``), which repeats the work under it."""
+    return event.device_type == DeviceType.CUDA and not getattr(event, "is_user_annotation", False)
+
+
 def breakdown(events, cfg: ModelConfig, on_device: bool | None = None) -> dict:
-    """Time per category: of the device's kernels on a GPU (CPU ops are left out there, since
-    an op's self device time repeats its kernels'), of the CPU ops' self time without one."""
+    """Time per category: of the device's work on a GPU (CPU ops and annotation spans are left
+    out there, since they repeat the kernels under them), of the CPU ops' self time without one."""
     on_device = torch.cuda.is_available() if on_device is None else on_device
     totals, calls, per_kernel = defaultdict(float), defaultdict(int), []
     for event in events:
         if on_device:
-            if event.device_type != DeviceType.CUDA:
+            if not is_device_work(event):
                 continue
             us = event.self_device_time_total
         else:

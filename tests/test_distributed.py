@@ -6,11 +6,13 @@ the full batch run afterwards, split across the two processes.
 """
 import os
 import socket
+from types import SimpleNamespace
 
 import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from torch.autograd import DeviceType
 
 from compile_stack import distributed as D
 from compile_stack import settings
@@ -193,6 +195,25 @@ def test_interval_overlap():
     assert stats == {"comm": 6, "compute": 5, "hidden_comm": 2, "exposed_comm": 4, "hidden_fraction": 2 / 6}
     assert D.interval_overlap([], [(0, 1)])["hidden_fraction"] is None
     assert D.interval_overlap([(0, 2)], [(0, 1), (1, 2)])["exposed_comm"] == 0
+
+
+def test_device_intervals_leave_annotation_spans_out():
+    """FSDP's span around its all-gather is not compute hiding the collective; CPU ops don't count."""
+    def event(name, start, end, device_type=DeviceType.CUDA, annotation=False):
+        return SimpleNamespace(name=name, device_type=device_type, is_user_annotation=annotation,
+                               time_range=SimpleNamespace(start=start, end=end))
+
+    events = [
+        event("FSDP::all_gather", 0, 10, annotation=True),
+        event("nccl:_all_gather_base", 2, 10, annotation=True),
+        event("ncclDevKernel_AllGather_RING_LL", 2, 10),
+        event("triton_poi_fused_mul_silu_1", 0, 4),
+        event("aten::mm", 0, 10, device_type=DeviceType.CPU),
+        event("Memset (Device)", 5, 5),
+    ]
+    comm, compute = D.device_intervals(events)
+    assert comm == [(2, 10)] and compute == [(0, 4)]
+    assert D.interval_overlap(comm, compute)["exposed_comm"] == 6
 
 
 @pytest.mark.gpu

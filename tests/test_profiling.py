@@ -29,19 +29,23 @@ def test_kernels_land_in_their_category(kernel, category):
 
 
 def test_gpu_breakdown_counts_kernels_once():
-    """A CPU op's self device time repeats its kernel's: only the kernel counts."""
-    def event(key, device_type, device_us=0.0, cpu_us=0.0, count=1):
+    """A CPU op's self device time repeats its kernel's, and so does the GPU-side span of a
+    ``record_function`` range (``nccl:*``, ``FSDP::*``): only the kernel counts."""
+    def event(key, device_type, device_us=0.0, cpu_us=0.0, count=1, annotation=False):
         return SimpleNamespace(key=key, device_type=device_type, self_device_time_total=device_us,
-                               self_cpu_time_total=cpu_us, count=count)
+                               self_cpu_time_total=cpu_us, count=count, is_user_annotation=annotation)
 
     events = [
         event("aten::mm", DeviceType.CPU, device_us=3000.0, cpu_us=20.0),
         event("nvjet_tst_256x128_64x4_1x2_h_bz_coopA_NNT", DeviceType.CUDA, device_us=3000.0),
         event("cstack::flash_attention_fwd", DeviceType.CPU, device_us=1000.0, cpu_us=30.0),
         event("_attn_fwd_kernel", DeviceType.CUDA, device_us=1000.0, count=2),
+        event("nccl:_all_gather_base", DeviceType.CUDA, device_us=500.0, annotation=True),
+        event("FSDP::all_gather", DeviceType.CUDA, device_us=700.0, annotation=True),
     ]
     result = breakdown(events, PRESETS["tiny"], on_device=True)
     assert result["matmul"]["ms"] == 3.0 and result["attention"]["ms"] == 1.0
+    assert result["communication"]["ms"] == 0 and result["other"]["ms"] == 0
     assert result["matmul"]["share"] == 0.75
     assert result["attention"]["calls"] == 2 and result["matmul"]["calls"] == 1
     assert [(k["name"], k["category"], k["calls"]) for k in result["largest"]] == [
