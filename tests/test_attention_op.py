@@ -2,8 +2,8 @@
 
 CPU tests cover the torch path (through the ops and autograd); interpreter tests call
 the Triton launchers on tiny CPU tensors; GPU tests run the Triton kernels in bf16/fp16,
-and on an sm_90 GPU the Gluon backward (which the interpreter cannot run: on the CPU it is
-only compiled for sm_90).
+and on an sm_90 GPU the Gluon forward and backward (which the interpreter cannot run: on the
+CPU they are only compiled for sm_90).
 """
 import json
 import math
