@@ -16,6 +16,7 @@ faster than the Triton one at one rank's shape) and a one-pass backward (``hoppe
 tile matmuls per tile pair where the two Triton kernels need seven; 13% faster at one rank's
 shape, 10% inside the step). BENCHMARKS.md has the figures.
 """
+import functools
 import math
 import os
 from dataclasses import dataclass
@@ -293,8 +294,27 @@ def _attn_bwd_dq_kernel(q_desc, k_desc, v_desc, do_desc, DQ, LSE, DELTA, qk_scal
 # by the copy engine (a TMA reduce-add). Measured against alternatives on one H200: a
 # warp-specialized version (a load warp and a reduce warp) was 4% slower, two dQ buffers or
 # three Q/dO stages no faster, P rounded to 16 bits for dS no faster.
+#
+# dQ's tile goes to shared memory, and so to the fp32 buffer, in the accumulator's register
+# order rather than row-major: each warp's 64-bit stores then fill 32 banks per half-warp.
+# In the 128-byte-swizzled row-major tile a half-warp covers 4 rows and only 16 banks (ncu:
+# twice the ideal wavefronts on all 16 dQ stores); the register order took the backward from
+# 47.2 to 44.5 ms at one rank's shape (H200). ``_dq_from_fragments_kernel`` puts the summed
+# buffer back in row-major order as it casts it to dQ's dtype.
 
 HOPPER_BWD = Tiles(block_m=64, block_n=128, num_warps=8, num_stages=2)
+DQ_FRAGMENT_ROW = 256  # the fp32 buffer seen as rows of 256 for its TMA descriptor (the box's widest)
+# Offset bit i of a dQ tile holds the element of bit i of (register pair, lane, register, warp)
+# in dQ's wgmma accumulator layout (``_dq_layout(128, 2)``: 64 x 128, 4 x 2 warps).
+DQ_FRAGMENTS = gl.constexpr(gl.SharedLinearLayout(
+    offset_bases=[[0, 1], [0, 2], [0, 4], [1, 0], [2, 0], [4, 0], [8, 0], [0, 8], [0, 16], [0, 32],
+                  [16, 0], [32, 0], [0, 64]], alignment=128))
+
+
+@gluon.constexpr_function
+def _dq_layout(head_d, groups):
+    """dQ = dS·K's accumulator: queries as rows, the warp groups side by side over D."""
+    return gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, groups], instr_shape=[16, head_d // groups, 16])
 
 
 @gl._core.builtin
@@ -318,7 +338,8 @@ def _load_query_tile(q_desc, do_desc, q_smem, do_smem, ready, slot, row, pred):
 def _attn_bwd_hopper_kernel(q_desc, k_desc, v_desc, do_desc, dq_desc, DK, DV, LSE, DELTA, qk_scale, scale, SQ, SK,
                             IS_CAUSAL: gl.constexpr, HEAD_D: gl.constexpr, BLOCK_M: gl.constexpr,
                             BLOCK_N: gl.constexpr, STAGES: gl.constexpr, num_warps: gl.constexpr):
-    # q/dO/dQ descriptors read [B·H·SQ, D] and k/v [B·H·SK, D]; SQ and SK are whole tiles.
+    # q/dO descriptors read [B·H·SQ, D] and k/v [B·H·SK, D]; dQ's, one query tile per box of its
+    # fp32 buffer (``_fragments_desc``); SQ and SK are whole tiles.
     start_n = gl.program_id(0) * BLOCK_N
     zh = gl.program_id(1)
     q_row0 = zh * SQ
@@ -327,8 +348,7 @@ def _attn_bwd_hopper_kernel(q_desc, k_desc, v_desc, do_desc, dq_desc, DK, DV, LS
     # S, dP and dQ: queries as rows, the warp groups side by side; dK, dV: keys as rows.
     L_S: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, GROUPS],
                                                   instr_shape=[16, BLOCK_N // GROUPS, 16])
-    L_DQ: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, GROUPS],
-                                                   instr_shape=[16, HEAD_D // GROUPS, 16])
+    L_DQ: gl.constexpr = _dq_layout(HEAD_D, GROUPS)
     L_KV: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
                                                    instr_shape=[16, HEAD_D, 16])
     PS_SHARED: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, BLOCK_N], dtype)
@@ -339,7 +359,8 @@ def _attn_bwd_hopper_kernel(q_desc, k_desc, v_desc, do_desc, dq_desc, DK, DV, LS
     do_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, HEAD_D], do_desc.layout)
     p_smem = gl.allocate_shared_memory(dtype, [BLOCK_M, BLOCK_N], PS_SHARED)
     ds_smem = gl.allocate_shared_memory(dtype, [BLOCK_M, BLOCK_N], PS_SHARED)
-    dq_smem = gl.allocate_shared_memory(gl.float32, [BLOCK_M, HEAD_D], dq_desc.layout)
+    dq_smem = gl.allocate_shared_memory(gl.float32, [BLOCK_M, HEAD_D], DQ_FRAGMENTS)
+    dq_box = dq_smem._reinterpret(gl.float32, dq_desc.block_type.shape, dq_desc.layout)  # what the TMA reads
     kv_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
     ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     mbarrier.init(kv_bar, count=1)
@@ -400,7 +421,7 @@ def _attn_bwd_hopper_kernel(q_desc, k_desc, v_desc, do_desc, dq_desc, DK, DV, LS
         dq_smem.store(dq)
         fence_async_shared()
         gl.thread_barrier()
-        _tma_reduce_add(dq_desc, [q_row0 + start_m, 0], dq_smem)
+        _tma_reduce_add(dq_desc, [(q_row0 + start_m) // BLOCK_M * dq_box.shape[0], 0], dq_box)
     dk, dv = warpgroup_mma_wait(0, deps=(dk, dv))
     tma.store_wait(0)
     mbarrier.invalidate(kv_bar)
@@ -624,6 +645,41 @@ def _rows_desc(t: torch.Tensor, rows: int) -> GluonTensorDescriptor:
     return GluonTensorDescriptor(flat, list(flat.shape), list(flat.stride()), [rows, t.shape[-1]], layout)
 
 
+def _fragments_desc(acc: torch.Tensor) -> GluonTensorDescriptor:
+    """The fp32 dQ buffer as unswizzled [N, DQ_FRAGMENT_ROW] rows, one query tile per box."""
+    flat = acc.view(-1, DQ_FRAGMENT_ROW)
+    box = [HOPPER_BWD.block_m * acc.shape[-1] // DQ_FRAGMENT_ROW, DQ_FRAGMENT_ROW]
+    layout = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=2)
+    return GluonTensorDescriptor(flat, list(flat.shape), list(flat.stride()), box, layout)
+
+
+@functools.lru_cache(maxsize=None)
+def fragment_offsets(device: torch.device) -> torch.Tensor:
+    """For each element of a row-major [block_m, 128] dQ tile, its offset in the DQ_FRAGMENTS tile."""
+    rows = torch.arange(HOPPER_BWD.block_m).view(-1, 1)
+    cols = torch.arange(128).view(1, -1)
+    offsets = torch.zeros(HOPPER_BWD.block_m, 128, dtype=torch.int32)
+    for bit, (row, col) in enumerate(DQ_FRAGMENTS.value.offset_bases):
+        offsets |= (((rows & row) | (cols & col)) != 0).int() << bit
+    return offsets.flatten().to(device)
+
+
+@triton.jit
+def _dq_from_fragments_kernel(ACC, OFFSETS, DQ, TILE: tl.constexpr):
+    """One tile of the fp32 dQ buffer, read in fragment order, written row-major in DQ's dtype."""
+    base = tl.program_id(0).to(tl.int64) * TILE
+    i = tl.arange(0, TILE)
+    tl.store(DQ + base + i, tl.load(ACC + base + tl.load(OFFSETS + i)).to(DQ.dtype.element_ty))
+
+
+def dq_from_fragments(acc: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """The summed fp32 dQ buffer ([..., S, 128], tiles in fragment order) as row-major ``dtype``."""
+    dq = torch.empty(acc.shape, dtype=dtype, device=acc.device)
+    tile = HOPPER_BWD.block_m * acc.shape[-1]
+    _dq_from_fragments_kernel[(acc.numel() // tile,)](acc, fragment_offsets(acc.device), dq, TILE=tile, num_warps=8)
+    return dq
+
+
 def uses_hopper_kernels(q: torch.Tensor, k: torch.Tensor) -> bool:
     """Whether the CUDA ops run the Gluon kernels (``hopper_fwd``, ``hopper_bwd``): an sm_90 GPU,
     D = 128, 16-bit, and Sq and Sk in whole 128-row tiles. Every other input takes the Triton ones."""
@@ -651,23 +707,23 @@ def hopper_fwd(q, k, v, is_causal: bool, scale: float):
 
 def hopper_bwd(dout, q, k, v, out, lse, is_causal: bool, scale: float):
     """Run the one-pass Gluon backward on inputs ``uses_hopper_kernels`` accepts; returns (dq, dk, dv).
-    dQ is summed in fp32 (Sq·D·4 bytes per head), then cast."""
+    dQ is summed in fp32 (Sq·D·4 bytes per head, tiles in fragment order), then cast."""
     q4, k4, v4, do4 = (_as_4d(t).contiguous() for t in (q, k, v, dout))
     Z, H, SQ, D = q4.shape
     SK = k4.shape[2]
     t = HOPPER_BWD
     delta = _delta(_as_4d(out), do4)
-    dq = torch.zeros((Z, H, SQ, D), dtype=torch.float32, device=q.device)
+    dq = torch.zeros((Z, H, SQ, D), dtype=torch.float32, device=q.device)  # tiles in fragment order
     dk = torch.empty((Z, H, SK, D), dtype=k.dtype, device=q.device)
     dv = torch.empty((Z, H, SK, D), dtype=v.dtype, device=q.device)
     _attn_bwd_hopper_kernel[(SK // t.block_n, Z * H)](
         _rows_desc(q4, t.block_m), _rows_desc(k4, t.block_n), _rows_desc(v4, t.block_n),
-        _rows_desc(do4, t.block_m), _rows_desc(dq, t.block_m), dk, dv, lse.contiguous(), delta,
+        _rows_desc(do4, t.block_m), _fragments_desc(dq), dk, dv, lse.contiguous(), delta,
         scale * LOG2E, scale, SQ, SK,
         IS_CAUSAL=is_causal, HEAD_D=D, BLOCK_M=t.block_m, BLOCK_N=t.block_n, STAGES=t.num_stages,
         num_warps=t.num_warps,
     )
-    return dq.to(q.dtype).view(q.shape), dk.view(k.shape), dv.view(v.shape)
+    return dq_from_fragments(dq, q.dtype).view(q.shape), dk.view(k.shape), dv.view(v.shape)
 
 
 # --------------------------------------------------------------------------- torch (CPU) path

@@ -203,6 +203,36 @@ def test_triton_kernels_broadcast_heads(scalar_loop_bounds):
     assert_close((out, lse, *grads), reference(q, k, v, dout, True, 0.25), torch.float32)
 
 
+def test_dq_fragment_order_is_the_accumulators():
+    """The Gluon backward's dQ tile is stored in its wgmma accumulator's register order (each
+    thread's pair, lanes, its other registers, warps): what keeps those stores free of bank
+    conflicts. Checked against Triton's own linear layout of the accumulator."""
+    from triton._C.libtriton import gluon_ir, ir
+    context = ir.context()
+    ir.load_dialects(context)
+    builder = gluon_ir.GluonOpBuilder(context)
+    layout = A._dq_layout(128, A.HOPPER_BWD.num_warps // 4)
+    regs = builder.to_linear_layout(layout._to_ir(builder), [A.HOPPER_BWD.block_m, 128])
+    order = regs.reg_bases[:1] + regs.lane_bases + regs.reg_bases[1:] + regs.warp_bases
+    assert A.DQ_FRAGMENTS.value.offset_bases == order
+
+
+@pytest.mark.skipif(not INTERPRETER, reason="interpreter run of the kernels (CPU only)")
+def test_dq_from_fragments_puts_tiles_back_in_row_order():
+    """The fp32 dQ buffer, tiles in fragment order, comes back row-major and cast (two heads of
+    two tiles)."""
+    offsets = A.fragment_offsets(torch.device("cpu")).long()
+    tile = A.HOPPER_BWD.block_m * 128
+    assert torch.equal(offsets.sort().values, torch.arange(tile))  # a permutation of the tile
+    dq = torch.randn(1, 2, 2 * A.HOPPER_BWD.block_m, 128)
+    buffer = torch.empty(dq.numel() // tile, tile)
+    buffer[:, offsets] = dq.view(-1, tile)
+    got = A.dq_from_fragments(buffer.view(dq.shape), torch.float16)
+    assert got.dtype == torch.float16 and got.shape == dq.shape
+    assert torch.equal(got, dq.half())
+    assert not torch.equal(buffer.view(dq.shape), dq)  # the order does differ
+
+
 HOPPER_SHARED_BYTES = 232_448  # 227 KiB: the most shared memory one thread block gets on an H100/H200
 HOPPER_BWD_SPILL_BYTES = 128  # register spill stores per thread the bf16 Gluon backward may have
 
