@@ -170,15 +170,24 @@ def _attn_fwd_kernel(q_desc, k_desc, v_desc, O, LSE, qk_scale, H, SQ, SK,
 
 
 @triton.jit
-def _attn_bwd_delta_kernel(o_desc, do_desc, DELTA, H, SQ, HEAD_D: tl.constexpr, BLOCK_M: tl.constexpr):
-    """delta = rowsum(dO * O), the softmax-backward correction, once per query row."""
+def _attn_bwd_delta_kernel(o_desc, do_desc, LSE, DELTA, H, SQ, HEAD_D: tl.constexpr, BLOCK_M: tl.constexpr,
+                           WITH_LSE: tl.constexpr):
+    """delta = rowsum(dO * O), the softmax-backward correction, once per query row. WITH_LSE
+    writes the Gluon backward's row stats instead: per BLOCK_M-row tile, lse·log2(e), then delta
+    (SQ whole tiles)."""
     zh = tl.program_id(0)
     start_m = tl.program_id(1) * BLOCK_M
     rows = start_m + tl.arange(0, BLOCK_M)
     o = _tile(o_desc, zh // H, zh % H, start_m, BLOCK_M, HEAD_D)
     do = _tile(do_desc, zh // H, zh % H, start_m, BLOCK_M, HEAD_D)
     delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), 1)
-    tl.store(DELTA + zh.to(tl.int64) * SQ + rows, delta, mask=rows < SQ)
+    row = zh.to(tl.int64) * SQ + rows
+    if WITH_LSE:
+        tile = DELTA + (zh.to(tl.int64) * SQ + start_m) * 2 + tl.arange(0, BLOCK_M)
+        tl.store(tile, tl.load(LSE + row) * _LOG2E)
+        tl.store(tile + BLOCK_M, delta)
+    else:
+        tl.store(DELTA + row, delta, mask=rows < SQ)
 
 
 @triton.jit
@@ -295,6 +304,10 @@ def _attn_bwd_dq_kernel(q_desc, k_desc, v_desc, do_desc, DQ, LSE, DELTA, qk_scal
 # warp-specialized version (a load warp and a reduce warp) was 4% slower, two dQ buffers or
 # three Q/dO stages no faster, P rounded to 16 bits for dS no faster.
 #
+# Each query tile's lse·log2(e) and delta come from one buffer (``_delta`` with lse), 64 of
+# each side by side: one pointer live through the loop instead of two, which took ptxas's
+# spills (ptxas for sm_90a) from 100 to 80 bytes and the backward from 44.6 to 42.6 ms at one rank's shape.
+#
 # dQ's tile goes to shared memory, and so to the fp32 buffer, in the accumulator's register
 # order rather than row-major: each warp's 64-bit stores then fill 32 banks per half-warp.
 # In the 128-byte-swizzled row-major tile a half-warp covers 4 rows and only 16 banks (ncu:
@@ -335,7 +348,7 @@ def _load_query_tile(q_desc, do_desc, q_smem, do_smem, ready, slot, row, pred):
 
 
 @gluon.jit
-def _attn_bwd_hopper_kernel(q_desc, k_desc, v_desc, do_desc, dq_desc, DK, DV, LSE, DELTA, qk_scale, scale, SQ, SK,
+def _attn_bwd_hopper_kernel(q_desc, k_desc, v_desc, do_desc, dq_desc, DK, DV, STATS, qk_scale, scale, SQ, SK,
                             IS_CAUSAL: gl.constexpr, HEAD_D: gl.constexpr, BLOCK_M: gl.constexpr,
                             BLOCK_N: gl.constexpr, STAGES: gl.constexpr, num_warps: gl.constexpr):
     # q/dO descriptors read [B·H·SQ, D] and k/v [B·H·SK, D]; dQ's, one query tile per box of its
@@ -388,8 +401,9 @@ def _attn_bwd_hopper_kernel(q_desc, k_desc, v_desc, do_desc, dq_desc, DK, DV, LS
         do = do_smem.index(stage)
         start_m = lo + i * BLOCK_M
         rows = start_m + offs_m
-        lse2 = gl.load(LSE + q_row0 + rows) * _LOG2E
-        delta = gl.load(DELTA + q_row0 + rows)
+        stats = STATS + (q_row0 + start_m) * 2  # this tile's lse·log2(e), then its delta
+        lse2 = gl.load(stats + offs_m)
+        delta = gl.load(stats + BLOCK_M + offs_m)
         s_tok = warpgroup_mma(q, k_smem.permute((1, 0)), gl.zeros([BLOCK_M, BLOCK_N], gl.float32, L_S),
                               use_acc=False, is_async=True)
         dp_tok = warpgroup_mma(do, v_smem.permute((1, 0)), gl.zeros([BLOCK_M, BLOCK_N], gl.float32, L_S),
@@ -600,12 +614,17 @@ def triton_fwd(q, k, v, is_causal: bool, scale: float, config: AttnConfig | None
     return out.view(q.shape), lse.view(q.shape[:-1])
 
 
-def _delta(o4: torch.Tensor, do4: torch.Tensor) -> torch.Tensor:
-    """rowsum(dO * O) of 4-d tensors, [Z, H, SQ] in fp32."""
+def _delta(o4: torch.Tensor, do4: torch.Tensor, lse: torch.Tensor | None = None) -> torch.Tensor:
+    """rowsum(dO * O) of 4-d tensors, [Z, H, SQ] in fp32. Given ``lse``, the Gluon backward's row
+    stats instead: [Z·H·SQ / 64, 2, 64], each tile of 64 rows its lse·log2(e) then its delta."""
     Z, H, SQ, D = o4.shape
-    delta = torch.empty((Z, H, SQ), dtype=torch.float32, device=o4.device)
-    _attn_bwd_delta_kernel[(Z * H, triton.cdiv(SQ, DELTA_BLOCK_M))](
-        _desc(o4, DELTA_BLOCK_M), _desc(do4, DELTA_BLOCK_M), delta, H, SQ, HEAD_D=D, BLOCK_M=DELTA_BLOCK_M,
+    with_lse = lse is not None
+    rows = HOPPER_BWD.block_m if with_lse else DELTA_BLOCK_M
+    shape = (Z * H * SQ // rows, 2, rows) if with_lse else (Z, H, SQ)
+    delta = torch.empty(shape, dtype=torch.float32, device=o4.device)
+    _attn_bwd_delta_kernel[(Z * H, triton.cdiv(SQ, rows))](
+        _desc(o4, rows), _desc(do4, rows), lse.contiguous() if with_lse else delta,  # LSE: read only with_lse
+        delta, H, SQ, HEAD_D=D, BLOCK_M=rows, WITH_LSE=with_lse,
     )
     return delta
 
@@ -712,13 +731,13 @@ def hopper_bwd(dout, q, k, v, out, lse, is_causal: bool, scale: float):
     Z, H, SQ, D = q4.shape
     SK = k4.shape[2]
     t = HOPPER_BWD
-    delta = _delta(_as_4d(out), do4)
+    stats = _delta(_as_4d(out), do4, lse)
     dq = torch.zeros((Z, H, SQ, D), dtype=torch.float32, device=q.device)  # tiles in fragment order
     dk = torch.empty((Z, H, SK, D), dtype=k.dtype, device=q.device)
     dv = torch.empty((Z, H, SK, D), dtype=v.dtype, device=q.device)
     _attn_bwd_hopper_kernel[(SK // t.block_n, Z * H)](
         _rows_desc(q4, t.block_m), _rows_desc(k4, t.block_n), _rows_desc(v4, t.block_n),
-        _rows_desc(do4, t.block_m), _fragments_desc(dq), dk, dv, lse.contiguous(), delta,
+        _rows_desc(do4, t.block_m), _fragments_desc(dq), dk, dv, stats,
         scale * LOG2E, scale, SQ, SK,
         IS_CAUSAL=is_causal, HEAD_D=D, BLOCK_M=t.block_m, BLOCK_N=t.block_n, STAGES=t.num_stages,
         num_warps=t.num_warps,

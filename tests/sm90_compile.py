@@ -70,7 +70,7 @@ def gluon_sources():
                 "q_desc": _gluon_desc(bwd.block_m, dtype), "k_desc": _gluon_desc(bwd.block_n, dtype),
                 "v_desc": _gluon_desc(bwd.block_n, dtype), "do_desc": _gluon_desc(bwd.block_m, dtype),
                 "dq_desc": mangle_type(A._fragments_desc(torch.empty(512, 128))), "DK": tensor, "DV": tensor,
-                "LSE": "*fp32", "DELTA": "*fp32", "qk_scale": "fp32", "scale": "fp32", "SQ": "i32", "SK": "i32",
+                "STATS": "*fp32", "qk_scale": "fp32", "scale": "fp32", "SQ": "i32", "SK": "i32",
             }, {"num_warps": bwd.num_warps}),
         }
         for name, (fn, t, sig, extra) in kernels.items():
