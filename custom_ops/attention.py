@@ -16,7 +16,6 @@ faster than the Triton one at one rank's shape) and a one-pass backward (``hoppe
 tile matmuls per tile pair where the two Triton kernels need seven; 13% faster at one rank's
 shape, 10% inside the step). BENCHMARKS.md has the figures.
 """
-import functools
 import math
 import os
 from dataclasses import dataclass
@@ -672,30 +671,22 @@ def _fragments_desc(acc: torch.Tensor) -> GluonTensorDescriptor:
     return GluonTensorDescriptor(flat, list(flat.shape), list(flat.stride()), box, layout)
 
 
-@functools.lru_cache(maxsize=None)
-def fragment_offsets(device: torch.device) -> torch.Tensor:
-    """For each element of a row-major [block_m, 128] dQ tile, its offset in the DQ_FRAGMENTS tile."""
-    rows = torch.arange(HOPPER_BWD.block_m).view(-1, 1)
-    cols = torch.arange(128).view(1, -1)
-    offsets = torch.zeros(HOPPER_BWD.block_m, 128, dtype=torch.int32)
-    for bit, (row, col) in enumerate(DQ_FRAGMENTS.value.offset_bases):
-        offsets |= (((rows & row) | (cols & col)) != 0).int() << bit
-    return offsets.flatten().to(device)
-
-
 @triton.jit
-def _dq_from_fragments_kernel(ACC, OFFSETS, DQ, TILE: tl.constexpr):
-    """One tile of the fp32 dQ buffer, read in fragment order, written row-major in DQ's dtype."""
-    base = tl.program_id(0).to(tl.int64) * TILE
-    i = tl.arange(0, TILE)
-    tl.store(DQ + base + i, tl.load(ACC + base + tl.load(OFFSETS + i)).to(DQ.dtype.element_ty))
+def _dq_from_fragments_kernel(ACC, DQ):
+    """One 64 x 128 tile of the fp32 dQ buffer, read in DQ_FRAGMENTS order, written row-major in
+    DQ's dtype. DQ_FRAGMENTS' offset bits, high to low, are runs of column and row bits:
+    col 6, rows 4-5, cols 3-5, rows 0-3, cols 0-2; a permute of those runs makes them row-major."""
+    base = tl.program_id(0).to(tl.int64) * 8192
+    tile = tl.arange(0, 8192)
+    runs = tl.reshape(tl.load(ACC + base + tile), (2, 4, 8, 16, 8))
+    row_major = tl.reshape(tl.permute(runs, (1, 3, 0, 2, 4)), (8192,))
+    tl.store(DQ + base + tile, row_major.to(DQ.dtype.element_ty))
 
 
 def dq_from_fragments(acc: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """The summed fp32 dQ buffer ([..., S, 128], tiles in fragment order) as row-major ``dtype``."""
     dq = torch.empty(acc.shape, dtype=dtype, device=acc.device)
-    tile = HOPPER_BWD.block_m * acc.shape[-1]
-    _dq_from_fragments_kernel[(acc.numel() // tile,)](acc, fragment_offsets(acc.device), dq, TILE=tile, num_warps=8)
+    _dq_from_fragments_kernel[(acc.numel() // 8192,)](acc, dq, num_warps=8)
     return dq
 
 

@@ -221,10 +221,13 @@ def test_dq_fragment_order_is_the_accumulators():
 def test_dq_from_fragments_puts_tiles_back_in_row_order():
     """The fp32 dQ buffer, tiles in fragment order, comes back row-major and cast (two heads of
     two tiles)."""
-    offsets = A.fragment_offsets(torch.device("cpu")).long()
-    tile = A.HOPPER_BWD.block_m * 128
+    rows, cols = torch.arange(64).view(-1, 1), torch.arange(128).view(1, -1)
+    offsets = torch.zeros(64, 128, dtype=torch.long)  # each element's offset, from DQ_FRAGMENTS' bases
+    for bit, (row, col) in enumerate(A.DQ_FRAGMENTS.value.offset_bases):
+        offsets |= (((rows & row) | (cols & col)) != 0).long() << bit
+    offsets, tile = offsets.flatten(), 64 * 128
     assert torch.equal(offsets.sort().values, torch.arange(tile))  # a permutation of the tile
-    dq = torch.randn(1, 2, 2 * A.HOPPER_BWD.block_m, 128)
+    dq = torch.randn(1, 2, 2 * 64, 128)
     buffer = torch.empty(dq.numel() // tile, tile)
     buffer[:, offsets] = dq.view(-1, tile)
     got = A.dq_from_fragments(buffer.view(dq.shape), torch.float16)
