@@ -13,8 +13,8 @@ also run on CPU tensors under ``TRITON_INTERPRET=1``, which is how the tests che
 On Hopper, 16-bit D=128 attention over whole 128-row tiles (the 8B model's) runs instead as
 Gluon kernels (``uses_hopper_kernels``): a warp-specialized forward (``hopper_fwd``, 16%
 faster than the Triton one at one rank's shape) and a one-pass backward (``hopper_bwd``: five
-tile matmuls per tile pair where the two Triton kernels need seven; 13% faster at one rank's
-shape, 10% inside the step). BENCHMARKS.md has the figures.
+tile matmuls per tile pair where the two Triton kernels need seven: 42.6 ms at one rank's
+shape against their 54-56, and cuDNN's 40.8). BENCHMARKS.md has the figures.
 """
 import math
 import os
@@ -299,20 +299,21 @@ def _attn_bwd_dq_kernel(q_desc, k_desc, v_desc, do_desc, DQ, LSE, DELTA, qk_scal
 # S and dP have queries as rows, each warp group holding 64 of the keys; P and dS go to shared
 # memory, so every later matmul reads both operands from there (dV += Pᵀ·dO and dK += dSᵀ·Q,
 # each warp group its own keys; dQ = dS·K, each half of D); dQ is added into an fp32 buffer
-# by the copy engine (a TMA reduce-add). Measured against alternatives on one H200: a
-# warp-specialized version (a load warp and a reduce warp) was 4% slower, two dQ buffers or
-# three Q/dO stages no faster, P rounded to 16 bits for dS no faster.
+# by the copy engine (a TMA reduce-add).
 #
-# Each query tile's lse·log2(e) and delta come from one buffer (``_delta`` with lse), 64 of
-# each side by side: one pointer live through the loop instead of two, which took ptxas's
-# spills (ptxas for sm_90a) from 100 to 80 bytes and the backward from 44.6 to 42.6 ms at one rank's shape.
-#
-# dQ's tile goes to shared memory, and so to the fp32 buffer, in the accumulator's register
-# order rather than row-major: each warp's 64-bit stores then fill 32 banks per half-warp.
-# In the 128-byte-swizzled row-major tile a half-warp covers 4 rows and only 16 banks (ncu:
-# twice the ideal wavefronts on all 16 dQ stores); the register order took the backward from
-# 47.2 to 44.5 ms at one rank's shape (H200). ``_dq_from_fragments_kernel`` puts the summed
-# buffer back in row-major order as it casts it to dQ's dtype.
+# Two data layouts decide much of its speed (ncu and timings at one rank's shape, H200):
+# - dQ's tile goes to shared memory, and so to the fp32 buffer, in its accumulator's register
+#   order (``DQ_FRAGMENTS``), not row-major: a warp's 64-bit stores then fill all 32 banks per
+#   half-warp, where in the 128-byte-swizzled row-major tile a half-warp covered 4 rows and 16
+#   banks (twice the ideal wavefronts on every dQ store): 47.6 -> 44.6 ms.
+#   ``_attn_dq_from_fragments_kernel`` puts the summed buffer back in row order as it casts it.
+# - Each query tile's lse·log2(e) and delta come from one buffer (``_delta`` given lse), 64 of
+#   each side by side: one pointer live through the loop instead of two took ptxas's spills
+#   from 100 to 80 bytes (255 registers) and the backward to 42.6 ms (cuDNN: 40.8).
+# Measured and not kept: a warp-specialized version (a load warp and a reduce warp) 4% slower;
+# two dQ buffers, P rounded to 16 bits for dS, or waiting for the last reduce at the tile's
+# second barrier instead of a third: no faster. Three Q/dO stages were no faster before the two
+# layouts and now spill 120 bytes (not timed).
 
 HOPPER_BWD = Tiles(block_m=64, block_n=128, num_warps=8, num_stages=2)
 DQ_FRAGMENT_ROW = 256  # the fp32 buffer seen as rows of 256 for its TMA descriptor (the box's widest)
@@ -672,7 +673,7 @@ def _fragments_desc(acc: torch.Tensor) -> GluonTensorDescriptor:
 
 
 @triton.jit
-def _dq_from_fragments_kernel(ACC, DQ):
+def _attn_dq_from_fragments_kernel(ACC, DQ):
     """One 64 x 128 tile of the fp32 dQ buffer, read in DQ_FRAGMENTS order, written row-major in
     DQ's dtype. DQ_FRAGMENTS' offset bits, high to low, are runs of column and row bits:
     col 6, rows 4-5, cols 3-5, rows 0-3, cols 0-2; a permute of those runs makes them row-major."""
@@ -686,7 +687,7 @@ def _dq_from_fragments_kernel(ACC, DQ):
 def dq_from_fragments(acc: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """The summed fp32 dQ buffer ([..., S, 128], tiles in fragment order) as row-major ``dtype``."""
     dq = torch.empty(acc.shape, dtype=dtype, device=acc.device)
-    _dq_from_fragments_kernel[(acc.numel() // 8192,)](acc, dq, num_warps=8)
+    _attn_dq_from_fragments_kernel[(acc.numel() // 8192,)](acc, dq, num_warps=8)
     return dq
 
 
