@@ -2,8 +2,9 @@
 
 - One cache directory for everything compiled (Inductor's FX-graph and
   AOTAutograd caches, and Triton's kernel cache): ``$COMPILE_STACK_CACHE``,
-  default ``~/.cache/compile_stack``. ``use_cache_dir(fresh=True)`` empties it
-  first, for a measured cold start.
+  default ``~/.cache/compile_stack``. ``use_cache_dir(fresh=True)`` deletes what
+  the package put there first (``CACHE_SUBDIRS``), for a measured cold start;
+  anything else in the directory is left alone.
 - No max-autotune: Inductor's default heuristics; our own kernels use fixed
   tile tables instead of autotuning.
 - ``activation_memory_budget`` (AOTAutograd's min-cut partitioner) is how the
@@ -13,6 +14,7 @@
 import contextlib
 import os
 import shutil
+import tempfile
 from pathlib import Path
 
 import torch
@@ -24,17 +26,45 @@ def default_cache_dir() -> Path:
     return Path(os.environ.get(CACHE_ENV, Path.home() / ".cache" / "compile_stack"))
 
 
-def use_cache_dir(path: Path | None = None, fresh: bool = False) -> Path:
-    """Point Inductor's and Triton's caches at ``path`` (emptied first if ``fresh``).
+# What the package creates under the cache directory: Inductor's caches, Triton's
+# kernel cache, and the pass counts compile_stack/capture.py stores for cache hits
+# (``pass_reports``). ``use_cache_dir(fresh=True)`` deletes these and nothing else.
+CACHE_SUBDIRS = ("inductor", "triton", "pass_reports")
 
+
+def _delete(path: Path) -> None:
+    """Remove one cache entry: a directory tree, or a file or link (never followed)."""
+    if path.is_symlink() or path.is_file():
+        path.unlink()
+    elif path.is_dir():
+        shutil.rmtree(path)
+
+
+def use_cache_dir(path: Path | None = None, fresh: bool = False) -> Path:
+    """Point Inductor's and Triton's caches at ``path`` (their old entries deleted first if ``fresh``).
+
+    ``fresh`` deletes only the package's own subfolders (``CACHE_SUBDIRS``), so
+    pointing ``--cache-dir`` at a directory that holds other files loses none.
+    A path that is not a writable directory raises ValueError naming ``cache_dir``.
     Must run before the first compile: both read the variables when they first
     need a cache directory.
     """
-    path = Path(path) if path is not None else default_cache_dir()
-    if fresh and path.exists():
-        shutil.rmtree(path)
-    (path / "inductor").mkdir(parents=True, exist_ok=True)
-    (path / "triton").mkdir(parents=True, exist_ok=True)
+    path = Path(path).expanduser() if path is not None else default_cache_dir()
+    expected = "a writable directory (compile caches are written there)"
+    if path.exists() and not path.is_dir():
+        raise ValueError(f"cache_dir: expected {expected}, got {str(path)!r}, which is not a directory")
+    try:
+        if fresh:
+            for sub in CACHE_SUBDIRS:
+                _delete(path / sub)
+        for sub in ("inductor", "triton"):
+            (path / sub).mkdir(parents=True, exist_ok=True)
+        # mkdir succeeds on existing read-only directories: write a file in each to be sure.
+        for where in (path, path / "inductor", path / "triton"):
+            with tempfile.TemporaryFile(dir=where):
+                pass
+    except OSError as e:
+        raise ValueError(f"cache_dir: expected {expected}, got {str(path)!r} ({e})") from e
     os.environ[CACHE_ENV] = str(path)
     os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(path / "inductor")
     os.environ["TRITON_CACHE_DIR"] = str(path / "triton")
