@@ -17,6 +17,7 @@ tile matmuls per tile pair where the two Triton kernels need seven: 42.6 ms at o
 shape against their 54-56, and cuDNN's 40.8). BENCHMARKS.md has the figures.
 """
 import math
+import numbers
 import os
 from dataclasses import dataclass
 
@@ -598,8 +599,24 @@ def _precision(dtype: torch.dtype) -> str:
     return "ieee" if dtype == torch.float32 else "tf32"
 
 
+def _no_heads(q: torch.Tensor) -> bool:
+    """No (batch, head) pair to attend over (a zero batch or head dim): no kernel to launch, since
+    a TMA descriptor takes no zero-sized dim and a grid no zero-sized axis."""
+    return math.prod(q.shape[:-2]) == 0
+
+
+def _empty_fwd(q: torch.Tensor):
+    return torch.empty(q.shape, dtype=q.dtype, device=q.device), q.new_empty(q.shape[:-1], dtype=torch.float32)
+
+
+def _empty_bwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
+    return tuple(torch.empty(t.shape, dtype=t.dtype, device=t.device) for t in (q, k, v))
+
+
 def triton_fwd(q, k, v, is_causal: bool, scale: float, config: AttnConfig | None = None):
     """Run the Triton forward; returns (out, lse). Inputs must already be validated."""
+    if _no_heads(q):
+        return _empty_fwd(q)
     q4, k4, v4 = _as_4d(q), _as_4d(k), _as_4d(v)
     Z, H, SQ, D = q4.shape
     SK = k4.shape[2]
@@ -631,6 +648,8 @@ def _delta(o4: torch.Tensor, do4: torch.Tensor, lse: torch.Tensor | None = None)
 
 def triton_bwd(dout, q, k, v, out, lse, is_causal: bool, scale: float, config: AttnConfig | None = None):
     """Run the Triton backward (delta, then dK/dV, then dQ); returns (dq, dk, dv)."""
+    if _no_heads(q):
+        return _empty_bwd(q, k, v)
     q4, k4, v4, do4, o4 = _as_4d(q), _as_4d(k), _as_4d(v), _as_4d(dout), _as_4d(out)
     Z, H, SQ, D = q4.shape
     SK = k4.shape[2]
@@ -701,6 +720,8 @@ def uses_hopper_kernels(q: torch.Tensor, k: torch.Tensor) -> bool:
 
 def hopper_fwd(q, k, v, is_causal: bool, scale: float):
     """Run the warp-specialized Gluon forward on inputs ``uses_hopper_kernels`` accepts; returns (out, lse)."""
+    if _no_heads(q):
+        return _empty_fwd(q)
     q4, k4, v4 = (_as_4d(t).contiguous() for t in (q, k, v))
     Z, H, SQ, D = q4.shape
     SK = k4.shape[2]
@@ -719,6 +740,8 @@ def hopper_fwd(q, k, v, is_causal: bool, scale: float):
 def hopper_bwd(dout, q, k, v, out, lse, is_causal: bool, scale: float):
     """Run the one-pass Gluon backward on inputs ``uses_hopper_kernels`` accepts; returns (dq, dk, dv).
     dQ is summed in fp32 (Sq·D·4 bytes per head, tiles in fragment order), then cast."""
+    if _no_heads(q):
+        return _empty_bwd(q, k, v)
     q4, k4, v4, do4 = (_as_4d(t).contiguous() for t in (q, k, v, dout))
     Z, H, SQ, D = q4.shape
     SK = k4.shape[2]
@@ -907,8 +930,16 @@ def _bwd_flops(dout_shape, q_shape, k_shape, *args, **kwargs) -> int:
 
 def flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool = True,
                     scale: float | None = None) -> torch.Tensor:
-    """softmax(scale * q @ k^T, causally masked if is_causal) @ v; scale defaults to 1/sqrt(D)."""
+    """softmax(scale * q @ k^T, causally masked if is_causal) @ v; scale defaults to 1/sqrt(D).
+
+    A zero batch or head dim gives an empty result (and empty gradients) on every path;
+    Sq or Sk of 0 is refused."""
     check_tensor("q", q, ndim=(3, 4), dtypes=FLOAT_DTYPES)
-    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
+    if scale is None:
+        scale = 1.0 / math.sqrt(q.shape[-1])
+    else:
+        require(isinstance(scale, numbers.Real) and not isinstance(scale, bool), "scale",
+                "a finite positive float or None", repr(scale))
+        scale = float(scale)
     check_attention_args(q, k, v, is_causal, scale)
     return torch.ops.cstack.flash_attention_fwd(q, k, v, is_causal, scale)[0]

@@ -274,6 +274,42 @@ def test_tile_table_compiles_for_hopper():
     assert len(fwd_spills) == 2 and not any(fwd_spills.values()), f"the Gluon forward spills: {fwd_spills}"
 
 
+# --------------------------------------------------------------------------- empty batch or heads
+
+EMPTY_SHAPES = [(0, 2, 8, 16), (1, 0, 8, 16), (0, 8, 16)]
+
+
+@pytest.mark.parametrize("shape", EMPTY_SHAPES)
+def test_empty_batch_or_heads_through_the_ops(shape):
+    """A zero batch or head dim: empty out and lse, and empty gradients, from the op and autograd."""
+    q, k, v = (torch.randn(shape, requires_grad=True) for _ in range(3))
+    out = A.flash_attention(q, k, v)
+    lse = torch.ops.cstack.flash_attention_fwd(q.detach(), k.detach(), v.detach(), True, 0.25)[1]
+    assert out.shape == shape and lse.shape == shape[:-1] and lse.dtype == torch.float32
+    out.sum().backward()
+    assert q.grad.shape == k.grad.shape == v.grad.shape == shape
+
+
+@pytest.mark.parametrize("shape", EMPTY_SHAPES)
+def test_empty_batch_or_heads_triton_launchers(shape):
+    """The Triton launchers return empty results instead of failing to build a descriptor or grid."""
+    q, k, v, dout = (torch.randn(shape, dtype=torch.float16) for _ in range(4))
+    out, lse = A.triton_fwd(q, k, v, True, 0.25)
+    assert out.shape == q.shape and out.dtype == q.dtype and lse.shape == q.shape[:-1]
+    grads = A.triton_bwd(dout, q, k, v, out, lse, True, 0.25)
+    assert [(g.shape, g.dtype) for g in grads] == [(t.shape, t.dtype) for t in (q, k, v)]
+
+
+@pytest.mark.parametrize("shape", [(0, 2, 128, 128), (1, 0, 128, 128)])
+def test_empty_batch_or_heads_hopper_launchers(shape):
+    """The Gluon launchers return before any launch (so this runs on the CPU)."""
+    q, k, v, dout = (torch.randn(shape, dtype=torch.bfloat16) for _ in range(4))
+    out, lse = A.hopper_fwd(q, k, v, True, 0.25)
+    assert out.shape == q.shape and lse.shape == q.shape[:-1]
+    grads = A.hopper_bwd(dout, q, k, v, out, lse, True, 0.25)
+    assert [g.shape for g in grads] == [q.shape, k.shape, v.shape]
+
+
 # --------------------------------------------------------------------------- bad input
 
 
@@ -327,6 +363,11 @@ def test_bad_input_public_function():
         A.flash_attention(torch.randn(8, 16), torch.randn(8, 16), torch.randn(8, 16))
     with pytest.raises(ValueError, match="^is_causal:"):
         A.flash_attention(*_qkv(q=(1, 2, 4, 16)), is_causal=True)
+    for scale in ("x", True, [0.5], torch.tensor(0.5)):
+        with pytest.raises(ValueError, match="^scale:"):
+            A.flash_attention(*_qkv(), scale=scale)
+    with pytest.raises(ValueError, match="^scale:"):
+        A.flash_attention(*_qkv(), scale=0)
 
 
 @pytest.mark.parametrize("device", ["cpu", "meta"])
