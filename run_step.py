@@ -2,6 +2,7 @@
 
     python run_step.py                 # eager reference step, default preset
     python run_step.py --compile       # compiled: our passes + Triton kernels + Inductor
+    python run_step.py --compile --model mymodels:build_gpt --loss mymodels:my_loss   # your own code
     torchrun --nproc-per-node 2 run_step.py --compile   # data parallel, FSDP2-sharded (compile_stack/distributed.py)
 
 Prints the config, compile time, median step time, tokens/s, peak memory, MFU,
@@ -10,6 +11,8 @@ the loss and what each of our passes replaced. See --help for the options.
 import argparse
 import copy
 import gc
+import importlib
+import importlib.util
 import json
 import os
 import platform
@@ -20,10 +23,11 @@ from pathlib import Path
 
 import torch
 
+import compile_stack
 from compile_stack import distributed, memory, settings
 from compile_stack.config import H200_PEAK_BF16_FLOPS, PRESET_ORDER, PRESETS, ModelConfig
-from compile_stack.reference import AdamW, build_model
-from compile_stack.step import StepOptions, TrainStep
+from compile_stack.reference import AdamW, build_model, cross_entropy
+from compile_stack.step import StepOptions
 from passes import registry
 
 # Read at CUDA's first allocation: a step that plans to fill ~120 GiB cannot afford fragmentation.
@@ -46,10 +50,18 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--device", help="cuda or cpu (default: cuda when available)")
     p.add_argument("--dtype", choices=("bfloat16", "float32"), default="bfloat16", help="model dtype")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--model", metavar="MODULE:FACTORY",
+                   help="your model: FACTORY(vocab_size=, context_length=, d_model=, num_layers=, num_heads=, d_ff=) "
+                        "returns an nn.Module mapping token ids [B, S] to logits [B, S, V] (MODULE: an importable "
+                        "module or a .py file; default: the reference model)")
+    p.add_argument("--loss", metavar="MODULE:FN",
+                   help="your loss: FN(logits, targets); the step sums it (default: the reference cross-entropy)")
+    p.add_argument("--optimizer", metavar="MODULE:CLASS",
+                   help="your optimizer, built as CLASS(model.parameters()) (default: the reference AdamW)")
     p.add_argument("--passes", help="comma-separated passes to run (default: all registered)")
     p.add_argument("--whole-graph", action="store_true",
                    help="compile forward+loss as one graph with every block inlined (compile time grows with "
-                        "depth) instead of the embedding, one block's graph shared by all blocks, and head+loss")
+                        "depth) instead of compiling the model's repeated blocks once for all of them")
     p.add_argument("--memory-budget", type=float,
                    help="activation memory budget in [0, 1] for the partitioner: lower saves less and recomputes "
                         "more (default: the largest the memory estimate allows)")
@@ -74,7 +86,55 @@ def parse_args(argv=None) -> argparse.Namespace:
         p.error("--inspect: needs --compile (there are no compiled graphs to inspect otherwise)")
     if args.memory_budget is not None and not 0.0 <= args.memory_budget <= 1.0:
         p.error(f"--memory-budget: expected a fraction in [0, 1], got {args.memory_budget}")
+    for option in ("model", "loss", "optimizer"):
+        spec = getattr(args, option)
+        if spec is not None and (spec.count(":") != 1 or not all(spec.split(":"))):
+            p.error(f"--{option}: expected MODULE:NAME (e.g. mymodels:{option}), got {spec!r}")
     return args
+
+
+def load_object(spec: str, option: str):
+    """``MODULE:NAME`` -> the object; MODULE is an importable module or a path to a .py file."""
+    module_name, name = spec.split(":")
+    try:
+        if module_name.endswith(".py"):
+            path = Path(module_name)
+            if not path.is_file():
+                raise SystemExit(f"--{option}: no such file {module_name!r}")
+            module_spec = importlib.util.spec_from_file_location(path.stem, path)
+            module = importlib.util.module_from_spec(module_spec)
+            sys.modules[module_spec.name] = module  # Dynamo looks a traced function's module up by name
+            module_spec.loader.exec_module(module)
+        else:
+            module = importlib.import_module(module_name)
+    except ImportError as e:
+        raise SystemExit(f"--{option}: cannot import {module_name!r}: {e}") from None
+    if not hasattr(module, name):
+        raise SystemExit(f"--{option}: module {module_name!r} has no {name!r}")
+    return getattr(module, name)
+
+
+def build_user_model(factory, cfg: ModelConfig, device: torch.device, dtype: torch.dtype) -> torch.nn.Module:
+    """The user's model from ``--model``'s factory, on ``device`` in ``dtype``."""
+    with torch.device(device):
+        model = factory(vocab_size=cfg.vocab, context_length=cfg.seq, d_model=cfg.d_model, num_layers=cfg.layers,
+                        num_heads=cfg.heads, d_ff=cfg.d_ff)
+    if not isinstance(model, torch.nn.Module):
+        raise SystemExit(f"--model: expected a factory returning an nn.Module, got {type(model).__name__}")
+    return model.to(device=device, dtype=dtype)
+
+
+def make_train_step(model, loss_fn, optimizer):
+    """The leaderboard's step (REFERENCE.md §1) over the given model, loss and optimizer."""
+
+    def train_step(inputs, targets):
+        optimizer.zero_grad(set_to_none=True)
+        loss = loss_fn(model(inputs), targets).sum()
+        loss.backward()
+        optimizer.step()
+        return loss
+
+    return train_step
 
 
 def is_rank0() -> bool:
@@ -231,31 +291,41 @@ def run(args) -> dict:
     pass_names = [p.name for p in registry.resolve(passes)]
 
     log("building the model...")
+    model_factory = load_object(args.model, "model") if args.model else None
+    loss_fn = load_object(args.loss, "loss") if args.loss else cross_entropy
+    optimizer_class = load_object(args.optimizer, "optimizer") if args.optimizer else AdamW
     torch.manual_seed(args.seed)
-    model = build_model(cfg, device, dtype)
+    model = build_user_model(model_factory, cfg, device, dtype) if model_factory else build_model(cfg, device, dtype)
     if device.type == "cuda":
         torch.cuda.empty_cache()  # the fp32 initialization's blocks
     generator = torch.Generator(device="cpu").manual_seed(args.seed + 1)
     batch = tuple(torch.randint(cfg.vocab, (cfg.batch, cfg.seq), generator=generator).to(device) for _ in range(2))
-    options = StepOptions(compile=args.compile, passes=passes, inspect_dir=args.inspect, memory_budget=budget,
-                          regional=not args.whole_graph)
+    compile_options = dict(passes=passes, inspect_dir=args.inspect, memory_budget=budget, blocks=not args.whole_graph)
     reference_model = copy.deepcopy(model) if args.check else None
     if world > 1:
-        step = FirstCallTimer(distributed.DistributedTrainStep(model, AdamW, options))
         batch = tuple(distributed.shard_batch(t, rank, world) for t in batch)
+    if world > 1 and model_factory is None and args.loss is None and args.optimizer is None:
+        options = StepOptions(compile=args.compile, passes=passes, inspect_dir=args.inspect, memory_budget=budget,
+                              regional=not args.whole_graph)
+        step = FirstCallTimer(distributed.DistributedTrainStep(model, AdamW, options))
     else:
-        step = FirstCallTimer(TrainStep(model, AdamW(model.parameters()), options))
+        if world > 1:
+            distributed.shard_blocks(model)
+        step = make_train_step(model, loss_fn, optimizer_class(model.parameters()))
+        step = FirstCallTimer(compile_stack.compile_step(step, **compile_options) if args.compile else step)
 
     summary = {
         "device": str(device), "device_name": device_name, "torch": torch.__version__,
         "preset": preset, "config": cfg.__dict__, "dtype": args.dtype, "compiled": args.compile,
+        "model": args.model or "reference", "loss_fn": args.loss or "reference",
+        "optimizer": args.optimizer or "reference",
         "memory_budget": budget, "estimated_peak_gib": round(estimate / memory.GIB, 1),
     }
     if args.check:
         from compile_stack.check import STEPS, compare_steps
 
-        log(f"check: {STEPS} steps compiled vs eager reference from the same weights and data...")
-        eager = TrainStep(reference_model, AdamW(reference_model.parameters()), StepOptions())
+        log(f"check: {STEPS} steps compiled vs eager from the same weights and data...")
+        eager = make_train_step(reference_model, loss_fn, optimizer_class(reference_model.parameters()))
         summary["check"] = compare_steps(step, eager, model, reference_model, [batch] * STEPS)
         del eager, reference_model
         log(f"check: {json.dumps(summary['check'])}")
@@ -281,7 +351,8 @@ def run(args) -> dict:
 
     if args.compare == "stock":
         del step, model  # the stock step needs the memory back
-        summary["compare"] = compare_stock(args, cfg, device, dtype, batch, summary, world)
+        user_code = (model_factory, loss_fn, optimizer_class) if args.model or args.loss or args.optimizer else None
+        summary["compare"] = compare_stock(args, cfg, device, dtype, batch, summary, world, user_code)
     return summary
 
 
@@ -294,9 +365,12 @@ def _raise_on_bad_targets() -> None:
     check_targets_flag()
 
 
-def compare_stock(args, cfg, device, dtype, batch, ours: dict, world: int = 1) -> dict:
+def compare_stock(args, cfg, device, dtype, batch, ours: dict, world: int = 1, user_code=None) -> dict:
     """Build the stock step on fresh weights, once ours is freed, and time it the same way.
 
+    For the reference model: the stock-parts step (stock.py). For the user's own code
+    (``user_code``: model factory or None, loss, optimizer class): the same step compiled by
+    stock ``torch.compile`` (Inductor, none of our passes).
     Under torchrun it is sharded as ours is (FSDP2, a group per block) and steps on this rank's
     share of the batch; its step time is the slowest rank's, its peak the largest.
     """
@@ -308,9 +382,17 @@ def compare_stock(args, cfg, device, dtype, batch, ours: dict, world: int = 1) -
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(device)
         log(f"[stock] memory still allocated after freeing ours: {torch.cuda.memory_allocated(device) / memory.GIB:.2f} GiB")
-    log("[stock] building the stock step (torch.compile per block, SDPA, checkpointing, fused AdamW)...")
     torch.manual_seed(args.seed)
-    step = FirstCallTimer(StockStep(build_model(cfg, device, dtype), sharded=world > 1))
+    if user_code is None:
+        log("[stock] building the stock step (torch.compile per block, SDPA, checkpointing, fused AdamW)...")
+        step = FirstCallTimer(StockStep(build_model(cfg, device, dtype), sharded=world > 1))
+    else:
+        log("[stock] building your step compiled by stock torch.compile (none of our passes)...")
+        factory, loss_fn, optimizer_class = user_code
+        model = build_user_model(factory, cfg, device, dtype) if factory else build_model(cfg, device, dtype)
+        if world > 1:
+            distributed.shard_blocks(model)
+        step = FirstCallTimer(torch.compile(make_train_step(model, loss_fn, optimizer_class(model.parameters()))))
     stock = measure(step, batch, args, device, cfg, "stock")
     if world > 1:
         across_ranks(stock, world)

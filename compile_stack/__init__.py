@@ -1,0 +1,14 @@
+"""compile-stack: a user's own train step, compiled with our passes and kernels.
+
+    import compile_stack
+    train_step = compile_stack.compile_step(train_step)
+
+``compile_step`` takes the step function as written (zero-grad, forward,
+loss, backward, optimizer step) and returns a callable that behaves the same.
+``Backend`` is the ``torch.compile`` backend it uses, for compiling any other
+function with our passes: ``torch.compile(fn, backend=compile_stack.Backend())``.
+"""
+from compile_stack.capture import PassBackend as Backend
+from compile_stack.user_step import CompiledStep, compile_step
+
+__all__ = ["Backend", "CompiledStep", "compile_step"]

@@ -25,10 +25,10 @@ import torch
 from torch._dynamo.backends.common import aot_autograd
 from torch._functorch.aot_autograd import make_boxed_func
 from torch._functorch.partitioners import min_cut_rematerialization_partition
-from torch._inductor.compile_fx import compile_fx
+from torch._inductor.compile_fx import compile_fx, graph_returns_tuple, make_graph_return_tuple
 from torch._inductor.decomposition import select_decomp_table
 
-from compile_stack import inspection, settings
+from compile_stack import blocks, inspection, settings
 from passes import registry
 
 
@@ -42,8 +42,10 @@ class PassBackend:
         memory_budget: float | None = None,
         name: str = "graph",
         codegen: bool = True,
+        outline_blocks: bool = False,
     ):
         self.pass_list = registry.resolve(passes)
+        self.outline_blocks = outline_blocks
         self.memory_budget = memory_budget
         self.name = name
         self.codegen = codegen
@@ -67,18 +69,33 @@ class PassBackend:
             yield
 
     def __call__(self, gm: torch.fx.GraphModule, example_inputs):
+        if self.outline_blocks:
+            segmented = blocks.outline(gm, self._compile)
+            if segmented is not None:
+                if self.writer:
+                    self.writer.begin_graph(f"{self.name}{self.graphs}.whole", gm)
+                return segmented
+        return self._compile(gm, example_inputs)
+
+    def _compile(self, gm: torch.fx.GraphModule, example_inputs, uses: int = 1):
+        """Compile one graph; its replacements count ``uses`` times (segments sharing it)."""
         graph_name = f"{self.name}{self.graphs}"
         self.graphs += 1
         report = registry.REPORT
         runs_before, counts_before = Counter(report.runs), Counter(report.replacements)
         if self.writer:
             self.writer.begin_graph(graph_name, gm)
-        # Inspecting: compile the backward now rather than at the first backward(), so
-        # its code is filed under this graph (regional steps compile all forwards first).
-        backward_now = torch._functorch.config.patch(force_non_lazy_backward_lowering=self.writer is not None)
+        # The backward is compiled now rather than at the first backward(), so our passes and
+        # settings are in force for it without the caller keeping a context open, and its code
+        # is filed under this graph when inspecting.
+        backward_now = torch._functorch.config.patch(force_non_lazy_backward_lowering=True)
+        compile_graph = compile_fx if self.codegen else self._compile_without_codegen
         with self.active(), backward_now:
-            compiled = compile_fx(gm, example_inputs) if self.codegen else self._compile_without_codegen(gm, example_inputs)
-        self._settle_report(gm, runs_before, counts_before)
+            if graph_returns_tuple(gm):
+                compiled = compile_graph(gm, example_inputs)
+            else:  # a segment returning one value
+                compiled = make_graph_return_tuple(gm, example_inputs, compile_graph)
+        self._settle_report(gm, runs_before, counts_before, uses)
         return compiled
 
     def _compile_without_codegen(self, gm, example_inputs):
@@ -113,8 +130,9 @@ class PassBackend:
         digest = hashlib.sha256(gm.code.encode() + b"".join(stages)).hexdigest()[:32]
         return settings.default_cache_dir() / "pass_reports" / f"{digest}.json"
 
-    def _settle_report(self, gm, runs_before: Counter, counts_before: Counter) -> None:
-        """Replay stored counts for the stages a cache hit skipped; store this graph's counts."""
+    def _settle_report(self, gm, runs_before: Counter, counts_before: Counter, uses: int) -> None:
+        """Replay stored counts for the stages a cache hit skipped; store this graph's counts;
+        count them once more for each other segment that shares this graph."""
         report = registry.REPORT
         key = self._report_key(gm)
         stored = json.loads(key.read_text()) if key.exists() else {}
@@ -125,6 +143,7 @@ class PassBackend:
             else:
                 counts[p.name] = stored.get(p.name, 0)
                 report.replacements[p.name] += counts[p.name]
+            report.replacements[p.name] += counts[p.name] * (uses - 1)
         key.parent.mkdir(parents=True, exist_ok=True)
         # Atomic: ranks of a distributed run share the cache directory.
         partial = key.with_suffix(f".{os.getpid()}.tmp")

@@ -42,6 +42,7 @@ import torch.nn as nn
 from torch.distributed.fsdp import FSDPModule, fully_shard
 from torch.distributed.tensor import DTensor
 
+from compile_stack.blocks import block_list
 from compile_stack.profiling import categorize, is_device_work, record
 from compile_stack.reference import Transformer
 from compile_stack.regional import BlockwiseLoss
@@ -91,6 +92,12 @@ def shard_model(model: Transformer, reshard_after_forward: bool = True) -> Block
     """
     require(isinstance(model, Transformer), "model", "a compile_stack.reference.Transformer", type(model).__name__)
     return shard_groups(list(model.blocks), BlockwiseLoss(model), reshard_after_forward)
+
+
+def shard_blocks(model: nn.Module, reshard_after_forward: bool = True) -> nn.Module:
+    """Shard any model in place with FSDP2: a group per repeated block (``blocks.block_list``),
+    then the root; return it."""
+    return shard_groups(block_list(model), model, reshard_after_forward)
 
 
 def shard_groups(blocks: list[nn.Module], root: nn.Module, reshard_after_forward: bool = True) -> nn.Module:

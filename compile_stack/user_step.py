@@ -1,0 +1,201 @@
+"""``compile_step``: the user's own train step, compiled whole with our passes.
+
+The user hands us the function they time, written as they like::
+
+    def train_step():
+        optimizer.zero_grad(set_to_none=True)
+        loss = loss_fn(model(x), y).sum()
+        loss.backward()
+        optimizer.step()
+
+Dynamo captures it as it runs: the zero-grad, forward and loss as one graph
+(``loss.backward()`` is a graph break; AOTAutograd derives the backward, so
+it runs compiled code too), then ``optimizer.step()``. Repeated blocks of the
+model are compiled once for all of them (``blocks.py``). Each optimizer the
+step reaches (found among the function's closure and global names) is
+compiled as its own graph with its own backend, so its Python step counter
+and float hyper-parameters are traced as symbols from the first compile:
+a scheduler changing ``lr`` between steps does not recompile it.
+
+Nothing of the user's objects is edited for longer than a call: while the
+compiled step runs, each found optimizer's ``step`` attribute routes to its
+compiled update, and is put back afterwards.
+"""
+import contextlib
+import dataclasses
+import functools
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+from compile_stack import settings
+from compile_stack.capture import PassBackend
+from compile_stack.inspection import InspectionWriter
+from custom_ops.checks import require
+
+
+@dataclasses.dataclass
+class StepOptions:
+    """What ``compile_step`` and ``run_step.py`` let a user choose."""
+
+    passes: list[str] | None = None  # None: the project's pass pipeline
+    inspect_dir: Path | None = None
+    memory_budget: float | None = None
+    cache_dir: Path | None = None
+    codegen: bool = True  # False: run our passes' aten graphs as they are (tests, debugging)
+    blocks: bool = True  # compile repeated blocks once for all of them (blocks.py)
+
+
+def compile_backends(options: StepOptions, inspect: bool = True) -> tuple[PassBackend, PassBackend]:
+    """The model's and the optimizer's backends, writing to one inspection directory (if any)."""
+    writer = InspectionWriter(options.inspect_dir) if options.inspect_dir and inspect else None
+    model = PassBackend(options.passes, writer, options.memory_budget, name="model", codegen=options.codegen,
+                        outline_blocks=options.blocks)
+    optimizer = PassBackend(options.passes, writer, options.memory_budget, name="optimizer", codegen=options.codegen)
+    return model, optimizer
+
+
+def is_optimizer(obj) -> bool:
+    """A torch optimizer, or a hand-written one: a ``step`` and a ``zero_grad`` method, not a module."""
+    if isinstance(obj, torch.optim.Optimizer):
+        return True
+    if isinstance(obj, (type, torch.nn.Module, torch.Tensor)) or callable(obj):
+        return False
+    return callable(getattr(obj, "step", None)) and callable(getattr(obj, "zero_grad", None))
+
+
+def find_optimizers(fn: Callable) -> list:
+    """The optimizers ``fn`` reaches by name: its closure cells, and the globals its code names."""
+    fn = inspect_target(fn)
+    found = []
+    candidates = [cell.cell_contents for cell in (fn.__closure__ or ()) if _has_contents(cell)]
+    candidates += [fn.__globals__[name] for name in _global_names(fn.__code__) if name in fn.__globals__]
+    for obj in candidates:
+        if is_optimizer(obj) and all(obj is not seen for seen in found):
+            found.append(obj)
+    return found
+
+
+def inspect_target(fn: Callable) -> Callable:
+    """The plain function behind ``fn`` (a bound method's, a partial's), whose closure we read."""
+    while True:
+        if isinstance(fn, functools.partial):
+            fn = fn.func
+        elif hasattr(fn, "__func__"):
+            fn = fn.__func__
+        elif hasattr(fn, "__wrapped__"):
+            fn = fn.__wrapped__
+        else:
+            return fn
+
+
+def _has_contents(cell) -> bool:
+    try:
+        cell.cell_contents
+    except ValueError:  # an empty cell: a name bound later
+        return False
+    return True
+
+
+def _global_names(code) -> set[str]:
+    """Global names a code object and the functions nested in it read."""
+    names = set(code.co_names)
+    for const in code.co_consts:
+        if isinstance(const, type(code)):
+            names |= _global_names(const)
+    return names
+
+
+def step_counter_sources(optimizer) -> str:
+    """Dynamo sources of an optimizer's Python scalars, to trace as symbols from the first compile.
+
+    A hand-written optimizer keeps its step count as a Python int and
+    ``torch.optim`` keeps ``lr`` as a float a scheduler changes; Dynamo would
+    bake each in as a constant at the first compile and recompile at the
+    first change. Naming them dynamic up front compiles the update once.
+    Sources are as Dynamo names them for ``torch.compile(optimizer.step)``.
+    """
+    names = [f"L['fn'].__self__.{name}" for name, value in vars(optimizer).items() if type(value) is int]
+    for i, group in enumerate(getattr(optimizer, "param_groups", ())):
+        for key, value in group.items():
+            if type(value) in (int, float) and isinstance(key, str):
+                names.append(f"L['fn'].__self__.param_groups[{i}][{key!r}]")
+    return ",".join(names)
+
+
+class CompiledOptimizerStep:
+    """``optimizer.step`` compiled with ``backend``; a graph break for an enclosing compiled step."""
+
+    def __init__(self, optimizer, backend: PassBackend):
+        self.optimizer = optimizer
+        self.original = optimizer.step
+        self.compiled = torch.compile(self.original, backend=backend)
+        self.call = torch._dynamo.disable(self._run, recursive=False)
+
+    def _run(self, *args, **kwargs):
+        with torch.compiler.config.patch(dynamic_sources=step_counter_sources(self.optimizer)):
+            return self.compiled(*args, **kwargs)
+
+    @contextlib.contextmanager
+    def routed(self):
+        """While active, ``optimizer.step`` runs the compiled update."""
+        had_own = "step" in vars(self.optimizer)
+        own = vars(self.optimizer).get("step")
+        self.optimizer.step = self.call
+        try:
+            yield
+        finally:
+            if had_own:
+                self.optimizer.step = own
+            else:
+                del self.optimizer.step
+
+
+class CompiledStep:
+    """The user's step, compiled: call it as the original (same arguments, same result)."""
+
+    def __init__(self, train_step: Callable, options: StepOptions):
+        require(callable(train_step), "train_step", "a callable (the user's train-step function)",
+                type(train_step).__name__)
+        self.train_step = train_step
+        self.options = options
+        settings.use_cache_dir(options.cache_dir) if options.cache_dir is not None else None
+        self.backend, self.optimizer_backend = compile_backends(options)
+        self.optimizer_steps = [CompiledOptimizerStep(opt, self.optimizer_backend)
+                                for opt in find_optimizers(train_step)]
+        self.compiled = torch.compile(train_step, backend=self.backend)
+        functools.update_wrapper(self, train_step)
+
+    def __call__(self, *args, **kwargs):
+        with contextlib.ExitStack() as stack:
+            for opt_step in self.optimizer_steps:
+                stack.enter_context(opt_step.routed())
+            return self.compiled(*args, **kwargs)
+
+
+def compile_step(train_step: Callable, *, passes: list[str] | None = None, memory_budget: float | None = None,
+                 inspect_dir: str | Path | None = None, cache_dir: str | Path | None = None,
+                 codegen: bool = True, blocks: bool = True) -> CompiledStep:
+    """Compile the user's own train step with our passes; returns a callable that behaves the same.
+
+    ``train_step`` is the function as written: zero-grad, forward, loss,
+    ``backward()``, ``optimizer.step()``, closed over the model and optimizer.
+    Options: ``passes`` (names; default all), ``memory_budget`` (AOTAutograd's
+    activation memory budget in [0, 1]), ``inspect_dir`` (graphs and generated
+    code are written there), ``cache_dir`` (compile caches), ``codegen``
+    (False: run the rewritten aten graphs without Inductor's code generation),
+    ``blocks`` (False: inline repeated blocks instead of compiling one for all).
+    """
+    if memory_budget is not None:
+        require(isinstance(memory_budget, (int, float)) and 0.0 <= memory_budget <= 1.0, "memory_budget",
+                "a fraction in [0, 1]", memory_budget)
+    options = StepOptions(
+        passes=list(passes) if passes is not None else None,
+        inspect_dir=Path(inspect_dir) if inspect_dir is not None else None,
+        memory_budget=memory_budget,
+        cache_dir=Path(cache_dir) if cache_dir is not None else None,
+        codegen=codegen,
+        blocks=blocks,
+    )
+    return CompiledStep(train_step, options)
