@@ -8,6 +8,24 @@ device-side table of raw data pointers, so the whole model is one grid.
 ``lr`` and ``step`` are 0-d float32 tensors read by the kernel from device
 memory: a new lr or step value needs no recompile of a graph and no host sync.
 
+Bad input is refused before any tensor changes, with a ValueError naming the
+argument: list lengths, dtypes, shapes, devices, layout, alignment, memory
+shared between tensors the op writes (or between a grad and one of them), and
+the Python-number hyperparameters (finite, in range). lr and step values:
+  - on the CPU path, and on the CUDA path when lr/step are CPU tensors, they are
+    read on the host (no GPU sync) and checked: lr finite and >= 0, step finite
+    and >= 1;
+  - when they are device tensors, reading them would be a host sync, so the
+    kernel checks them: on a bad value every program skips its update (no tensor
+    changes) and ORs a code into a per-device error flag. The flag is copied to
+    pinned host memory after the launch (asynchronously) and the op raises the
+    ValueError (naming lr and/or step) at its next call once that copy has
+    landed; ``raise_if_refused()`` reads the flag now (a sync: call it where the
+    training step already syncs, e.g. next to reading the loss). Under the
+    Triton interpreter the flag is read right after the launch.
+    ``torch._assert_async`` was not used: a failed device assert kills the CUDA
+    context (the process's GPU state is lost) and its message names nothing.
+
 Semantics (REFERENCE.md §2), step t = ``step`` (already incremented):
   reference (default):  p ← p − lr·wd·p;  m ← β₁m + (1−β₁)g;  v ← β₂v + (1−β₂)g²;
                         p ← p − lr·√(1−β₂ᵗ)/(1−β₁ᵗ) · m / (√v + eps)
@@ -33,6 +51,10 @@ BLOCK = 2048
 NUM_WARPS = 8
 # Plans kept: a training loop alternates between very few pointer sets.
 _CACHE_SIZE = 8
+
+# Bits of the per-device error flag the kernel sets when it refuses lr / step.
+REFUSED_LR = tl.constexpr(1)
+REFUSED_STEP = tl.constexpr(2)
 
 _TL_DTYPES = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
 
@@ -77,7 +99,7 @@ def _update_block(p_ptr, g_ptr, m_ptr, v_ptr, offs, numel, lr, t, beta1, beta2, 
 
 @triton.jit
 def _adamw_kernel(
-    table_ptr, block_tensor_ptr, lr_ptr, step_ptr,
+    table_ptr, block_tensor_ptr, lr_ptr, step_ptr, flag_ptr,
     beta1, beta2, one_minus_beta1, one_minus_beta2, log_beta1, log_beta2, eps, weight_decay,
     P_DTYPE: tl.constexpr, G_DTYPE: tl.constexpr, M_DTYPE: tl.constexpr, V_DTYPE: tl.constexpr,
     TORCH_SEMANTICS: tl.constexpr, BLOCK: tl.constexpr,
@@ -87,6 +109,9 @@ def _adamw_kernel(
     Table row (int64): p, g, m, v data pointers, numel, index of the tensor's first block.
     1 − β and ln β come from the host in float64: 1 − β computed in fp32 from an fp32 β
     is off by up to 1.3e-5 (β₂ = 0.999) and flips the rounding of ~1% of bf16 moments.
+    An lr that is not finite and >= 0, or a step that is not finite and >= 1, turns every
+    update into NaN/Inf: then no program updates anything and program 0 ORs REFUSED_LR /
+    REFUSED_STEP into the flag.
     """
     pid = tl.program_id(0)
     row = table_ptr + tl.load(block_tensor_ptr + pid).to(tl.int64) * 6
@@ -100,12 +125,19 @@ def _adamw_kernel(
     offs = start + tl.arange(0, BLOCK)
     lr = tl.load(lr_ptr)
     t = tl.load(step_ptr)
-    if start + BLOCK <= numel:
-        _update_block(p_ptr, g_ptr, m_ptr, v_ptr, offs, numel, lr, t, beta1, beta2, one_minus_beta1,
-                      one_minus_beta2, log_beta1, log_beta2, eps, weight_decay, TORCH_SEMANTICS, MASKED=False)
-    else:
-        _update_block(p_ptr, g_ptr, m_ptr, v_ptr, offs, numel, lr, t, beta1, beta2, one_minus_beta1,
-                      one_minus_beta2, log_beta1, log_beta2, eps, weight_decay, TORCH_SEMANTICS, MASKED=True)
+    # NaN fails both comparisons of each pair.
+    lr_ok = (lr >= 0) & (lr < float("inf"))
+    t_ok = (t >= 1) & (t < float("inf"))
+    if lr_ok & t_ok:
+        if start + BLOCK <= numel:
+            _update_block(p_ptr, g_ptr, m_ptr, v_ptr, offs, numel, lr, t, beta1, beta2, one_minus_beta1,
+                          one_minus_beta2, log_beta1, log_beta2, eps, weight_decay, TORCH_SEMANTICS, MASKED=False)
+        else:
+            _update_block(p_ptr, g_ptr, m_ptr, v_ptr, offs, numel, lr, t, beta1, beta2, one_minus_beta1,
+                          one_minus_beta2, log_beta1, log_beta2, eps, weight_decay, TORCH_SEMANTICS, MASKED=True)
+    elif pid == 0:
+        code = tl.where(lr_ok, 0, REFUSED_LR) | tl.where(t_ok, 0, REFUSED_STEP)
+        tl.atomic_or(flag_ptr, code)
 
 
 def _check_tensors(params, grads, exp_avgs, exp_avg_sqs):
@@ -136,8 +168,42 @@ def _check_scalars(params, lr, step, beta1, beta2, eps, weight_decay):
                 f"a tensor on the cpu or on the params' device ({device})", t.device)
     require(0 <= beta1 < 1, "beta1", "a value in [0, 1)", beta1)
     require(0 <= beta2 < 1, "beta2", "a value in [0, 1)", beta2)
-    require(eps >= 0, "eps", "a value >= 0", eps)
-    require(weight_decay >= 0, "weight_decay", "a value >= 0", weight_decay)
+    require(math.isfinite(eps) and eps >= 0, "eps", "a finite value >= 0", eps)
+    require(math.isfinite(weight_decay) and weight_decay >= 0, "weight_decay", "a finite value >= 0", weight_decay)
+
+
+def _check_values(lr: float | None = None, step: float | None = None) -> None:
+    """The values of lr and step, where reading them costs no GPU sync (CPU tensors, numbers)."""
+    require(lr is None or (math.isfinite(lr) and lr >= 0), "lr", "a finite value >= 0", lr)
+    require(step is None or (math.isfinite(step) and step >= 1), "step", "a finite step number >= 1", step)
+
+
+def _check_disjoint(params, grads, exp_avgs, exp_avg_sqs):
+    """No two tensors the op writes share memory, nor a grad with one of them (grads may share among
+    themselves: they are only read). The tensors are contiguous (checked before), so each is the
+    byte range [data_ptr, data_ptr + nbytes): one sort of the ranges and a sweep, O(n log n) in C,
+    O(n) in Python. Empty tensors hold no memory and are skipped."""
+    ranges = []
+    for k, (name, seq) in enumerate((("params", params), ("grads", grads), ("exp_avgs", exp_avgs),
+                                     ("exp_avg_sqs", exp_avg_sqs))):
+        written = name != "grads"
+        for i, t in enumerate(seq):
+            n = t.numel()
+            if n:
+                start = t.data_ptr()
+                ranges.append((start, (k, i), start + n * t.element_size(), written, name))
+    ranges.sort()  # ties: the later-listed tensor is the one named
+    # The range reaching furthest so far among written tensors, and among grads: any overlap of a
+    # later range with an earlier one shows as an overlap with the furthest of its kind.
+    furthest = {True: (0, None), False: (0, None)}
+    for start, (_, i), end, written, name in ranges:
+        arg = f"{name}[{i}]"
+        for kind in ((True, False) if written else (True,)):
+            reach, other = furthest[kind]
+            require(start >= reach, arg, "memory of its own (a tensor the op writes may share memory with "
+                    "no other argument)", f"memory shared with {other}")
+        if end > furthest[written][0]:
+            furthest[written] = (end, arg)
 
 
 def _check_aligned(params, grads, exp_avgs, exp_avg_sqs):
@@ -173,23 +239,80 @@ def _build_plan(params, grads, exp_avgs, exp_avg_sqs, block):
 _plans: "OrderedDict[tuple, list]" = OrderedDict()
 
 
+class _Refusals:
+    """A device's error flag (int32, bits REFUSED_LR / REFUSED_STEP, set by the kernel, cleared when
+    raised) and, on CUDA, its pinned host copy and the event that says the copy has landed."""
+
+    def __init__(self, device: torch.device):
+        self.flag = torch.zeros(1, dtype=torch.int32, device=device)
+        cuda = device.type == "cuda"
+        self.host = torch.zeros(1, dtype=torch.int32, pin_memory=True) if cuda else None
+        self.copied = torch.cuda.Event() if cuda else None
+        self.pending = False  # a copy was issued since the last read
+
+    def raise_if_set(self, code: int) -> None:
+        if code:
+            self.flag.zero_()
+            if self.host is not None:
+                self.host.zero_()
+            self.pending = False
+            args = [a for a, bit in (("lr", REFUSED_LR.value), ("step", REFUSED_STEP.value)) if code & bit]
+            raise ValueError(
+                f"{' and '.join(args)}: expected lr finite and >= 0 and step finite and >= 1, got a tensor "
+                f"value outside that (read on the device by fused_adamw_, which skipped that update: "
+                f"no tensor changed)")
+
+
+_refusals: dict = {}
+
+
+def _refusals_for(device: torch.device) -> _Refusals:
+    state = _refusals.get(device)
+    if state is None:
+        state = _refusals[device] = _Refusals(device)
+    return state
+
+
+def raise_if_refused(device: torch.device | str | None = None) -> None:
+    """Raise the ValueError for an lr/step value the kernel refused since the last check (on ``device``,
+    or any device used so far). Reads the flag: a host sync on CUDA, so call it where the step syncs."""
+    if device is not None:
+        device = torch.device(device)
+        if device.type == "cuda" and device.index is None:
+            device = torch.device("cuda", torch.cuda.current_device())
+    for dev, state in list(_refusals.items()):
+        if device is None or dev == device:
+            state.raise_if_set(int(state.flag.item()))
+
+
+def _plan_key(lists, block):
+    """What the plan encodes and what the checks saw: each tensor's address, shape, dtype and whether
+    it is contiguous, and the device. Addresses are unique across devices in one process (CUDA's
+    unified addressing), and address + shape + dtype of contiguous tensors fix the memory each
+    covers, so a hit means every check (alignment and disjointness included) would pass again."""
+    return (block, lists[0][0].device if lists[0] else None) \
+        + tuple(tuple(map(torch.Tensor.data_ptr, seq)) for seq in lists) \
+        + tuple(tuple(map(torch.Tensor.size, seq)) for seq in lists) \
+        + tuple(tuple(t.dtype for t in seq) for seq in lists) \
+        + tuple(tuple(map(torch.Tensor.is_contiguous, seq)) for seq in lists)
+
+
 def _triton_step(params, grads, exp_avgs, exp_avg_sqs, lr, step, beta1, beta2, eps, weight_decay,
                  torch_semantics, block=BLOCK, num_warps=NUM_WARPS):
     """Look up (or check and build) the plan, then one launch per dtype group.
 
-    The plan key is what the tables encode: every tensor's address, numel and
-    dtype. A hit describes memory already checked, so a repeated step does no
-    per-tensor work beyond forming the key.
-    Scalar arguments are checked by the caller.
+    The plan key (``_plan_key``) holds every fact the tensor checks read, so a hit
+    describes tensors already checked, and a repeated step does no per-tensor work
+    beyond forming the key. Scalar arguments' types and ranges are checked by the
+    caller; lr/step values here (see the module docstring).
     """
     lists = (params, grads, exp_avgs, exp_avg_sqs)
-    key = (block,) + tuple(tuple(map(torch.Tensor.data_ptr, seq)) for seq in lists) \
-        + tuple(tuple(map(torch.Tensor.numel, seq)) for seq in lists) \
-        + tuple(tuple(t.dtype for t in seq) for seq in lists)
+    key = _plan_key(lists, block)
     plan = _plans.get(key)
     if plan is None:
         _check_tensors(*lists)
         _check_aligned(*lists)
+        _check_disjoint(*lists)
         plan = _build_plan(*lists, block) if params else []
         _plans[key] = plan
         if len(_plans) > _CACHE_SIZE:
@@ -199,21 +322,35 @@ def _triton_step(params, grads, exp_avgs, exp_avg_sqs, lr, step, beta1, beta2, e
     if not plan:
         return
     device = params[0].device
+    # lr/step on the host while the params are not: their values cost no sync to read.
+    _check_values(lr.item() if lr.device != device else None, step.item() if step.device != device else None)
+    refusals = _refusals_for(device)
+    capturing = device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+    if refusals.pending and not capturing and refusals.copied.query():  # an earlier call's flag, landed: no sync
+        refusals.pending = False
+        refusals.raise_if_set(int(refusals.host[0]))
     lr, step = lr.to(device, non_blocking=True), step.to(device, non_blocking=True)
     log_beta1 = math.log(beta1) if beta1 > 0 else -math.inf
     log_beta2 = math.log(beta2) if beta2 > 0 else -math.inf
     for (pd, gd, md, vd), table, block_tensor in plan:
         _adamw_kernel[(block_tensor.numel(),)](
-            table, block_tensor, lr, step, beta1, beta2, 1 - beta1, 1 - beta2, log_beta1, log_beta2, eps, weight_decay,
-            P_DTYPE=pd, G_DTYPE=gd, M_DTYPE=md, V_DTYPE=vd, TORCH_SEMANTICS=torch_semantics,
+            table, block_tensor, lr, step, refusals.flag, beta1, beta2, 1 - beta1, 1 - beta2, log_beta1, log_beta2,
+            eps, weight_decay, P_DTYPE=pd, G_DTYPE=gd, M_DTYPE=md, V_DTYPE=vd, TORCH_SEMANTICS=torch_semantics,
             BLOCK=block, num_warps=num_warps,
         )
+    if device.type != "cuda":  # the interpreter: the flag is host memory, free to read now
+        refusals.raise_if_set(int(refusals.flag[0]))
+    elif not capturing:
+        refusals.host.copy_(refusals.flag, non_blocking=True)
+        refusals.copied.record()
+        refusals.pending = True
 
 
 def _adamw_torch(params, grads, exp_avgs, exp_avg_sqs, lr, step, beta1, beta2, eps, weight_decay,
                  torch_semantics):
     """Plain torch, per tensor, fp32 math: the CPU implementation."""
     lr, t = lr.item(), step.item()
+    _check_values(lr, t)  # no sync to avoid on the CPU
     bc1, bc2 = 1 - beta1**t, 1 - beta2**t
     for p, g, m, v in zip(params, grads, exp_avgs, exp_avg_sqs):
         p32, g32, m32, v32 = (x.to(torch.float32, copy=True) for x in (p, g, m, v))
@@ -249,6 +386,7 @@ def _fused_adamw_cpu(params, grads, exp_avgs, exp_avg_sqs, lr, step, beta1, beta
                      torch_semantics):
     _check_scalars(params, lr, step, beta1, beta2, eps, weight_decay)
     _check_tensors(params, grads, exp_avgs, exp_avg_sqs)
+    _check_disjoint(params, grads, exp_avgs, exp_avg_sqs)
     _adamw_torch(params, grads, exp_avgs, exp_avg_sqs, lr, step, beta1, beta2, eps, weight_decay,
                  torch_semantics)
 
@@ -256,7 +394,8 @@ def _fused_adamw_cpu(params, grads, exp_avgs, exp_avg_sqs, lr, step, beta1, beta
 @fused_adamw_.register_fake
 def _fused_adamw_fake(params, grads, exp_avgs, exp_avg_sqs, lr, step, beta1, beta2, eps, weight_decay,
                       torch_semantics):
-    """Mutation only, no outputs; bad arguments still fail at trace time."""
+    """Mutation only, no outputs; bad arguments still fail at trace time (shared memory and lr/step
+    values are checked when the op runs: fake tensors have neither addresses nor values)."""
     _check_scalars(params, lr, step, beta1, beta2, eps, weight_decay)
     _check_tensors(params, grads, exp_avgs, exp_avg_sqs)
 
@@ -271,12 +410,12 @@ def fused_adamw(params, grads, exp_avgs, exp_avg_sqs, *, lr, step, betas=(0.9, 0
     """
     params, grads, exp_avgs, exp_avg_sqs = (list(x) for x in (params, grads, exp_avgs, exp_avg_sqs))
     if not isinstance(lr, torch.Tensor):
-        require(isinstance(lr, (int, float)) and not isinstance(lr, bool) and lr >= 0, "lr",
-                "a number >= 0 or a 0-d float32 tensor", lr)
+        require(isinstance(lr, (int, float)) and not isinstance(lr, bool) and math.isfinite(lr) and lr >= 0, "lr",
+                "a finite number >= 0 or a 0-d float32 tensor", lr)
         lr = torch.tensor(float(lr), dtype=torch.float32)
     if not isinstance(step, torch.Tensor):
-        require(isinstance(step, (int, float)) and not isinstance(step, bool) and step >= 1, "step",
-                "a step number >= 1 or a 0-d float32 tensor", step)
+        require(isinstance(step, (int, float)) and not isinstance(step, bool) and math.isfinite(step) and step >= 1,
+                "step", "a finite step number >= 1 or a 0-d float32 tensor", step)
         step = torch.tensor(float(step), dtype=torch.float32)
     require(len(betas) == 2, "betas", "a pair (beta1, beta2)", betas)
     torch.ops.cstack.fused_adamw_(params, grads, exp_avgs, exp_avg_sqs, lr, step, float(betas[0]),

@@ -209,14 +209,26 @@ def _bad(mutate, match):
     _bad(lambda a: a["exp_avg_sqs"].__setitem__(1, torch.zeros(6, dtype=torch.int32)), r"exp_avg_sqs\[1\]: expected dtype"),
     _bad(lambda a: a["params"].__setitem__(1, torch.zeros(6, dtype=torch.int64)), r"params\[1\]: expected dtype"),
     _bad(lambda a: a["params"].__setitem__(0, torch.zeros(5, 4).t()), r"params\[0\]: expected a contiguous tensor"),
-    _bad(lambda a: a.update(lr=-1e-3), r"lr: expected a number >= 0"),
+    _bad(lambda a: a.update(lr=-1e-3), r"lr: expected a finite number >= 0"),
+    _bad(lambda a: a.update(lr=math.inf), r"lr: expected a finite number >= 0"),
+    _bad(lambda a: a.update(lr=torch.tensor(-1e-3)), r"lr: expected a finite value >= 0, got -0.001"),
+    _bad(lambda a: a.update(lr=torch.tensor(math.nan)), r"lr: expected a finite value >= 0, got nan"),
+    _bad(lambda a: a.update(lr=torch.tensor(math.inf)), r"lr: expected a finite value >= 0, got inf"),
     _bad(lambda a: a.update(lr=torch.tensor(1e-3, dtype=torch.float64)), r"lr: expected dtype torch.float32"),
-    _bad(lambda a: a.update(step=0), r"step: expected a step number >= 1"),
+    _bad(lambda a: a.update(step=0), r"step: expected a finite step number >= 1"),
+    _bad(lambda a: a.update(step=math.inf), r"step: expected a finite step number >= 1"),
+    _bad(lambda a: a.update(step=torch.tensor(0.0)), r"step: expected a finite step number >= 1, got 0.0"),
+    _bad(lambda a: a.update(step=torch.tensor(-1.0)), r"step: expected a finite step number >= 1, got -1.0"),
+    _bad(lambda a: a.update(step=torch.tensor(math.nan)), r"step: expected a finite step number >= 1, got nan"),
     _bad(lambda a: a.update(step=torch.tensor([1.0])), r"step: expected a tensor of rank 0"),
     _bad(lambda a: a.update(betas=(1.0, 0.999)), r"beta1: expected a value in \[0, 1\)"),
     _bad(lambda a: a.update(betas=(0.9, -0.1)), r"beta2: expected a value in \[0, 1\)"),
-    _bad(lambda a: a.update(eps=-1e-8), r"eps: expected a value >= 0"),
-    _bad(lambda a: a.update(weight_decay=-0.1), r"weight_decay: expected a value >= 0"),
+    _bad(lambda a: a.update(eps=-1e-8), r"eps: expected a finite value >= 0"),
+    _bad(lambda a: a.update(eps=math.inf), r"eps: expected a finite value >= 0"),
+    _bad(lambda a: a.update(weight_decay=-0.1), r"weight_decay: expected a finite value >= 0"),
+    _bad(lambda a: a.update(weight_decay=math.inf), r"weight_decay: expected a finite value >= 0"),
+    _bad(lambda a: a.update(weight_decay=math.nan), r"weight_decay: expected a finite value >= 0"),
+    _bad(lambda a: a.update(betas=(math.nan, 0.999)), r"beta1: expected a value in \[0, 1\)"),
 ])
 def test_bad_input_raises_before_any_update(mutate, match):
     params, grads, exp_avgs, exp_avg_sqs = make_state([(4, 5), (6,)], DTYPES["fp32"])
@@ -227,6 +239,122 @@ def test_bad_input_raises_before_any_update(mutate, match):
         fused_adamw(**args)
     for p, b in zip(args["params"], before):
         assert torch.equal(p, b)
+
+
+# --------------------------------------------------------------------------- shared memory
+
+def _same_shapes(device):
+    """Two (8,) tensors a list: the tensors line up whatever is swapped in."""
+    state = make_state([(8,), (8,)], DTYPES["fp32"], device)
+    return dict(zip(("params", "grads", "exp_avgs", "exp_avg_sqs"), state), device=device)
+
+
+ALIASED = {  # name: (mutate the lists, message)
+    "moments_one_tensor": (lambda a: a["exp_avg_sqs"].__setitem__(0, a["exp_avgs"][0]),
+                           r"exp_avg_sqs\[0\]: expected memory of its own.*got memory shared with exp_avgs\[0\]"),
+    "param_twice": (lambda a: a["params"].__setitem__(1, a["params"][0]),
+                    r"params\[1\]: expected memory of its own.*params\[0\]"),
+    "param_is_moment": (lambda a: a["exp_avgs"].__setitem__(1, a["params"][1]),
+                        r"exp_avgs\[1\]: expected memory of its own.*params\[1\]"),
+    "moment_of_another_param": (lambda a: a["exp_avg_sqs"].__setitem__(0, a["exp_avgs"][1]),
+                                r"exp_avg_sqs\[0\]: expected memory of its own.*exp_avgs\[1\]"),
+    "grad_is_param": (lambda a: a["grads"].__setitem__(0, a["params"][0]),
+                      r"grads\[0\]: expected memory of its own.*params\[0\]"),
+    "partial_overlap": (lambda a: (a.__setitem__("buf", torch.zeros(64, device=a["device"])),
+                                   a["params"].__setitem__(1, a["buf"][16:24]),
+                                   a["exp_avgs"].__setitem__(0, a["buf"][20:28])),
+                        r"exp_avgs\[0\]: expected memory of its own.*params\[1\]"),
+}
+
+
+@pytest.mark.parametrize("path", ["cpu_op", "triton"])
+@pytest.mark.parametrize("case", ALIASED)
+def test_shared_memory_is_refused(case, path):
+    """A tensor the op writes may share memory with no other argument: refused before any update."""
+    mutate, match = ALIASED[case]
+    args = _same_shapes("cuda" if path == "triton" and HAS_CUDA else "cpu")
+    mutate(args)
+    lists = [args[k] for k in ("params", "grads", "exp_avgs", "exp_avg_sqs")]
+    before = [[t.clone() for t in seq] for seq in lists]
+    with pytest.raises(ValueError, match=match):
+        if path == "cpu_op":
+            fused_adamw(*lists, lr=1e-3, step=1)
+        else:
+            triton_step(*lists, lr=1e-3, t=1, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0,
+                        torch_semantics=False)
+    for seq, old in zip(lists, before):
+        assert all(torch.equal(t, o) for t, o in zip(seq, old))
+
+
+@pytest.mark.parametrize("path", ["cpu_op", "triton"])
+def test_disjoint_views_and_shared_grads_are_accepted(path):
+    """Views of one flat buffer that do not overlap are fine, and grads may share memory (only read)."""
+    device = "cuda" if path == "triton" and HAS_CUDA else "cpu"
+    flat = [torch.randn(32, device=device) for _ in range(4)]
+    flat[2].zero_()
+    flat[3].zero_()
+    state = [[f[:8], f[16:24]] for f in flat]
+    state[1][1] = state[1][0]  # one grad for both
+    step_fn = op_step if path == "cpu_op" else triton_step
+    kw = dict(lr=0.05, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.1, torch_semantics=False)
+    before = [[x.clone() for x in seq] for seq in state]
+    step_fn(*state, t=1, **kw)
+    for i in range(2):
+        expected = reference_step(*(seq[i] for seq in before), t=1, beta1=0.9, beta2=0.999, lr=0.05, eps=1e-8,
+                                  weight_decay=0.1, torch_semantics=False)
+        for seq, exp in zip((state[0], state[2], state[3]), expected):
+            assert_rounded_once(seq[i], exp)
+
+
+def test_triton_plan_hit_still_checks_layout():
+    """A cached plan is keyed on shapes and contiguity too: a transposed or reshaped grad at the
+    address of an accepted one is refused, not run on the old plan."""
+    params, grads, exp_avgs, exp_avg_sqs = make_state([(4, 4), (9,)], DTYPES["fp32"], "cuda" if HAS_CUDA else "cpu")
+    kw = dict(lr=0.01, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0, torch_semantics=False)
+    triton_step(params, grads, exp_avgs, exp_avg_sqs, t=1, **kw)
+    g = grads[0]
+    before = [p.clone() for p in params]
+    with pytest.raises(ValueError, match=r"grads\[0\]: expected a contiguous tensor"):
+        triton_step(params, [g.t(), grads[1]], exp_avgs, exp_avg_sqs, t=2, **kw)
+    with pytest.raises(ValueError, match=r"grads\[0\]: expected the shape of params\[0\]"):
+        triton_step(params, [g.view(2, 8), grads[1]], exp_avgs, exp_avg_sqs, t=2, **kw)
+    assert all(torch.equal(p, b) for p, b in zip(params, before))
+    triton_step(params, grads, exp_avgs, exp_avg_sqs, t=2, **kw)  # the accepted tensors still run
+
+
+# --------------------------------------------------------------------------- lr and step values on the device
+
+def triton_step_tensors(state, lr, step):
+    adamw._triton_step(*state, lr, step, 0.9, 0.999, 1e-8, 0.1, False, block=16, num_warps=1)
+
+
+@pytest.mark.parametrize("lr, step, name", [
+    (0.01, 0.0, "step"), (0.01, -1.0, "step"), (0.01, math.nan, "step"), (0.01, math.inf, "step"),
+    (math.nan, 1.0, "lr"), (math.inf, 1.0, "lr"), (-0.01, 1.0, "lr"), (math.nan, 0.0, "lr and step"),
+])
+def test_triton_refuses_bad_lr_or_step_on_the_device(lr, step, name):
+    """lr/step tensors on the params' device are checked by the kernel: it changes nothing and flags the
+    value, which the op raises (at once under the interpreter; on CUDA, see test_gpu_refused_step_raises)."""
+    device = "cuda" if HAS_CUDA else "cpu"
+    state = make_state([(37,), (5, 13)], DTYPES["fp32"], device)
+    before = [[x.clone() for x in seq] for seq in state]
+    lr_t, step_t = torch.tensor(lr, device=device), torch.tensor(step, device=device)
+    with pytest.raises(ValueError, match=f"^{name}: expected lr finite and >= 0 and step finite and >= 1"):
+        triton_step_tensors(state, lr_t, step_t)
+        adamw.raise_if_refused(device)
+    for seq, old in zip(state, before):
+        assert all(torch.equal(t, o) for t, o in zip(seq, old))
+    adamw.raise_if_refused(device)  # raised once, then cleared
+    triton_step_tensors(state, torch.tensor(0.01, device=device), torch.tensor(1.0, device=device))
+    assert not torch.equal(state[0][0], before[0][0])
+
+
+@pytest.mark.skipif(HAS_CUDA, reason="CPU tensors on the CUDA path are read on the host (test below)")
+def test_raise_if_refused_reads_the_flag():
+    adamw._refusals_for(torch.device("cpu")).flag.fill_(2)
+    with pytest.raises(ValueError, match="^step:"):
+        adamw.raise_if_refused()
+    adamw.raise_if_refused()
 
 
 @pytest.mark.parametrize("torch_semantics", [False, True])
@@ -275,6 +403,33 @@ def test_gpu_compiles_with_inductor():
     for eager_seq, compiled_seq in zip(eager_state, compiled_state):
         for e, c in zip(eager_seq, compiled_seq):
             torch.testing.assert_close(c, e, rtol=0, atol=0)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_CUDA, reason="needs CUDA")
+def test_gpu_refused_step_raises_at_the_next_call():
+    """On CUDA the kernel's refusal surfaces without a sync: at the next call once the flag's copy
+    has landed, or at raise_if_refused()."""
+    state = make_state([(4096,), (333, 77)], DTYPES["bf16"], "cuda")
+    before = [[x.clone() for x in seq] for seq in state]
+    lr, step = torch.tensor(1e-3, device="cuda"), torch.tensor(0.0, device="cuda")
+    fused_adamw(*state, lr=lr, step=step)  # refused on the device: no error yet
+    torch.cuda.synchronize()
+    for seq, old in zip(state, before):
+        assert all(torch.equal(t, o) for t, o in zip(seq, old))
+    step.fill_(1.0)
+    with pytest.raises(ValueError, match="^step: expected"):
+        fused_adamw(*state, lr=lr, step=step)
+    fused_adamw(*state, lr=lr, step=step)
+    step.fill_(math.nan)
+    fused_adamw(*state, lr=lr, step=step)
+    with pytest.raises(ValueError, match="^step: expected"):
+        adamw.raise_if_refused("cuda")
+    step.fill_(2.0)
+    fused_adamw(*state, lr=lr, step=step)
+    adamw.raise_if_refused()
+    with pytest.raises(ValueError, match=r"step: expected a finite step number >= 1, got 0.0"):
+        fused_adamw(*state, lr=1e-3, step=torch.tensor(0.0))  # a CPU step: read on the host
 
 
 @pytest.mark.gpu
