@@ -373,7 +373,12 @@ def fused_adamw_(
     exp_avg_sqs: list[torch.Tensor], lr: torch.Tensor, step: torch.Tensor,
     beta1: float, beta2: float, eps: float, weight_decay: float, torch_semantics: bool,
 ) -> None:
-    """One AdamW step in place over all given tensors (the Triton kernel on CUDA)."""
+    """One AdamW step in place over all given tensors (the Triton kernel on CUDA).
+
+    Every check runs before any tensor changes (ValueError naming the argument). lr and step
+    device tensors are checked by the kernel without a host sync: a bad value skips the whole
+    update and is raised at the next call, or by ``raise_if_refused()`` (module docstring).
+    """
     _check_scalars(params, lr, step, beta1, beta2, eps, weight_decay)
     require(not params or runs_triton(params[0]), "params[0]", "a CUDA tensor (some argument is on CUDA)",
             params[0].device if params else None)
