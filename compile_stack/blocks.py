@@ -44,15 +44,17 @@ def block_of(node: torch.fx.Node) -> tuple[str, int, type] | None:
 
 
 def repeated_blocks(gm: torch.fx.GraphModule) -> dict[torch.fx.Node, tuple[str, int]]:
-    """Each node traced inside a repeated block -> (container, index); a container is repeated
-    when at least two of its indexed elements of one class appear in the graph."""
+    """Each node traced inside a repeated block -> (container, index). A container is repeated
+    when two or more of its elements appear in the graph and all of them share one class (an
+    ``nn.Sequential`` of different layers is not)."""
     found = {n: block_of(n) for n in gm.graph.nodes if n.op not in ("placeholder", "output")}
-    members = defaultdict(set)
+    indices, classes = defaultdict(set), defaultdict(set)
     for b in found.values():
         if b is not None:
-            members[b[0], b[2]].add(b[1])
-    repeated = {key for key, indices in members.items() if len(indices) >= 2}
-    return {n: (b[0], b[1]) for n, b in found.items() if b is not None and (b[0], b[2]) in repeated}
+            indices[b[0]].add(b[1])
+            classes[b[0]].add(b[2])
+    repeated = {c for c in indices if len(indices[c]) >= 2 and len(classes[c]) == 1}
+    return {n: (b[0], b[1]) for n, b in found.items() if b is not None and b[0] in repeated}
 
 
 def segment_ids(gm: torch.fx.GraphModule, blocks: dict) -> dict[torch.fx.Node, int]:

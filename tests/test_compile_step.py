@@ -1,0 +1,155 @@
+"""compile_stack's public API on a user's own code: compile_step, Backend, blocks compiled once."""
+import json
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import compile_stack
+import run_step
+from compile_stack import blocks
+from passes import registry
+from tests import user_models
+from tests.user_corpus import VOCAB, batches, make_train_step, mean_cross_entropy
+
+
+def gpt(layers: int, d_model: int = 32, heads: int = 2):
+    return user_models.build_gpt(vocab_size=VOCAB, context_length=16, d_model=d_model, num_layers=layers,
+                                 num_heads=heads, d_ff=48)
+
+
+def compiled_gpt_step(layers: int, **options):
+    torch._dynamo.reset()
+    registry.REPORT.clear()
+    torch.manual_seed(0)
+    model = gpt(layers)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    step = compile_stack.compile_step(make_train_step(model, mean_cross_entropy, optimizer), codegen=False, **options)
+    for inputs, targets in batches(2):
+        step(inputs, targets)
+    return step, optimizer
+
+
+def test_repeated_blocks_compile_once_whatever_the_depth():
+    counts = {}
+    for layers in (2, 8):
+        step, _ = compiled_gpt_step(layers)
+        counts[layers] = step.backend.graphs
+        # Every layer's attention runs our op: the shared block graph counts once per layer.
+        assert registry.REPORT.replacements["attention"] == layers
+        assert registry.REPORT.replacements["cross_entropy"] == 1
+    # The embedding, the block graph every layer shares, and the head with the loss.
+    assert counts[2] == counts[8] == 3
+
+
+def test_blocks_off_compiles_the_forward_as_one_graph():
+    step, _ = compiled_gpt_step(3, blocks=False)
+    assert step.backend.graphs == 1 and registry.REPORT.replacements["attention"] == 3
+
+
+def test_a_model_without_repeated_blocks_is_compiled_whole():
+    torch._dynamo.reset()
+    model = nn.Sequential(nn.Embedding(VOCAB, 16), nn.Linear(16, 24), nn.ReLU(), nn.Linear(24, VOCAB))
+    assert blocks.block_list(model) == []
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    step = compile_stack.compile_step(make_train_step(model, mean_cross_entropy, optimizer), codegen=False)
+    (inputs, targets), = batches(1)
+    step(inputs, targets)
+    assert step.backend.graphs == 1
+
+
+def test_block_list_finds_the_largest_run_of_one_class():
+    model = gpt(4)
+    assert blocks.block_list(model) == list(model.layers)
+
+
+def test_the_optimizers_step_is_routed_only_during_the_call():
+    step, optimizer = compiled_gpt_step(2)
+    assert "step" not in vars(optimizer)  # the class's own step again
+    assert step.optimizer_steps[0].optimizer is optimizer
+    assert registry.REPORT.replacements["adamw"] == 1  # compiled once, fused
+
+
+def test_backend_works_without_a_context_manager():
+    """The lazily run backward uses our passes without the caller entering anything."""
+    torch._dynamo.reset()
+    registry.REPORT.clear()
+    torch.manual_seed(0)
+    model = gpt(2)
+    eager_model = gpt(2)
+    eager_model.load_state_dict(model.state_dict())
+    (inputs, targets), = batches(1)
+
+    def loss_fn(m):
+        return lambda x, y: mean_cross_entropy(m(x), y)
+
+    loss = torch.compile(loss_fn(model), backend=compile_stack.Backend(codegen=False))(inputs, targets)
+    loss.backward()
+    eager_loss = loss_fn(eager_model)(inputs, targets)
+    eager_loss.backward()
+    torch.testing.assert_close(loss, eager_loss)
+    for p, q in zip(model.parameters(), eager_model.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-4, atol=1e-6)
+    assert registry.REPORT.replacements["attention"] == 2 and registry.REPORT.replacements["cross_entropy"] == 1
+
+
+def test_compile_step_refuses_bad_arguments():
+    with pytest.raises(ValueError, match="train_step"):
+        compile_stack.compile_step("not a function")
+    with pytest.raises(ValueError, match="memory_budget"):
+        compile_stack.compile_step(lambda: None, memory_budget=1.5)
+
+
+def test_user_step_without_an_optimizer_in_reach_still_compiles():
+    """An optimizer reached only through an argument is traced inline with the step: slower to
+    compile, same results."""
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Embedding(VOCAB, 16), nn.Linear(16, VOCAB))
+
+    def train_step(opt, inputs, targets):
+        opt.zero_grad(set_to_none=True)
+        F.cross_entropy(model(inputs).flatten(0, 1), targets.flatten()).backward()
+        opt.step()
+
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    before = [p.detach().clone() for p in model.parameters()]
+    step = compile_stack.compile_step(train_step, codegen=False)
+    (inputs, targets), = batches(1)
+    step(optimizer, inputs, targets)
+    assert step.optimizer_steps == []
+    assert all(not torch.equal(a, p) for a, p in zip(before, model.parameters()))
+
+
+@pytest.mark.parametrize("option, spec, message", [
+    ("--model", "nocolon", "--model: expected MODULE:NAME"),
+    ("--loss", "a:b:c", "--loss: expected MODULE:NAME"),
+])
+def test_run_step_refuses_malformed_user_code_specs(option, spec, message, capsys):
+    with pytest.raises(SystemExit):
+        run_step.parse_args([option, spec])
+    assert message in capsys.readouterr().err
+
+
+def test_run_step_names_a_missing_user_module(tmp_path):
+    with pytest.raises(SystemExit, match="--model: cannot import 'no_such_module'"):
+        run_step.main(["--model", "no_such_module:build", "--steps", "1", "--cache-dir", str(tmp_path)])
+    with pytest.raises(SystemExit, match="--optimizer: module 'tests.user_models' has no 'Nope'"):
+        run_step.main(["--optimizer", "tests.user_models:Nope", "--steps", "1", "--cache-dir", str(tmp_path)])
+
+
+@pytest.mark.slow
+def test_run_step_compiles_a_users_model_loss_and_optimizer(tmp_path):
+    """Every pass fires on the user's own code, generated code and all (the tiny preset on the CPU)."""
+    out = tmp_path / "out.json"
+    code = run_step.main(["--compile", "--check", "--dtype", "float32", "--steps", "1", "--warmup", "0",
+                          "--model", "tests/user_models.py:build_gpt", "--loss", "tests.user_models:token_loss",
+                          "--optimizer", "tests.user_models:MyAdamW", "--json", str(out),
+                          "--cache-dir", str(tmp_path / "cache")])
+    summary = json.loads(out.read_text())
+    assert code == 0 and summary["check"]["ok"] is True
+    assert summary["model"] == "tests/user_models.py:build_gpt"
+    passes = summary["passes"]
+    assert passes["attention"] == summary["config"]["layers"] and passes["cross_entropy"] == 1
+    assert passes["adamw"] >= 1 and passes["param_data"] > 0
