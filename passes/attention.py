@@ -32,6 +32,7 @@ import math
 import operator
 
 import torch
+from torch._subclasses.fake_tensor import unset_fake_temporarily
 from torch.fx.operator_schemas import normalize_function
 
 import custom_ops.attention  # noqa: F401  (registers torch.ops.cstack.flash_attention_*)
@@ -114,6 +115,9 @@ _COMPARE = {  # op -> (lin of x - y) -> predicate lin <= 0
 }
 _PY_COMPARE = {"le": operator.le, "lt": operator.lt, "ge": operator.ge, "gt": operator.gt,
                "eq": operator.eq, "ne": operator.ne}
+_UNARY = {aten.sqrt.default: math.sqrt, aten.rsqrt.default: lambda x: 1 / math.sqrt(x),
+          aten.reciprocal.default: lambda x: 1 / x, aten.neg.default: operator.neg}
+_ARITH = {aten.div.Tensor: operator.truediv, aten.pow.Tensor_Scalar: operator.pow}
 _LOGICAL = {
     aten.logical_and.default: lambda x, y: bool(x) and bool(y), aten.bitwise_and.Tensor: operator.and_,
     aten.logical_or.default: lambda x, y: bool(x) or bool(y), aten.bitwise_or.Tensor: operator.or_,
@@ -136,7 +140,10 @@ def _pointwise(x, y, fn):
     if x.pred is not None and y.pred is not None and x.pred != y.pred:
         return None
     pred = x.pred if x.pred is not None else y.pred
-    return Piecewise(pred, fn(x.a, y.a), fn(x.b, y.b))
+    try:
+        return Piecewise(pred, fn(x.a, y.a), fn(x.b, y.b))
+    except (ArithmeticError, ValueError, TypeError):
+        return None
 
 
 def _shape(node):
@@ -144,11 +151,73 @@ def _shape(node):
     return tuple(val.shape) if isinstance(val, torch.Tensor) else None
 
 
+def _reaxis(value, src, dst):
+    """`value` seen through a view that only inserts or drops size-1 dims (unsqueeze, squeeze,
+    ``view(T, 1)``...): its axes (numbered from the end) renumbered; None for any other view."""
+    if value is None or src is None or dst is None:
+        return None
+    if isinstance(value, Piecewise) and value.pred is None:
+        return value
+    big_src = [k - len(src) for k, d in enumerate(src) if d != 1]
+    big_dst = [k - len(dst) for k, d in enumerate(dst) if d != 1]
+    if [src[k] for k in big_src] != [dst[k] for k in big_dst]:
+        return None
+    where = dict(zip(big_src, big_dst))
+
+    def move(lin):
+        if any(a not in where for a, _ in lin.coef):
+            return None  # indexes along a size-1 axis: constant there, but keep it simple
+        return Lin(tuple(sorted((where[a], c) for a, c in lin.coef)), lin.c0)
+
+    if isinstance(value, Lin):
+        return move(value)
+    pred = move(value.pred)
+    return None if pred is None else Piecewise(pred, value.a, value.b)
+
+
+def _tensor_value(t):
+    """A real tensor (a constant the graph holds) as a Piecewise: a constant, or two values split
+    along a diagonal of the last two dims (tril/triu), the same for every leading index."""
+    with unset_fake_temporarily():
+        return _real_tensor_value(t)
+
+
+def _real_tensor_value(t):
+    if not isinstance(t, torch.Tensor) or t.is_complex() or t.numel() == 0:
+        return None
+    t = t.detach().cpu()
+    py = bool if t.dtype == torch.bool else (float if t.dtype.is_floating_point else int)
+    values = torch.unique(t)
+    if len(values) == 1:
+        return _const(py(values[0].item()))
+    if t.dim() < 2 or len(values) != 2:
+        return None
+    rows, cols = t.shape[-2:]
+    flat = t.reshape(-1, rows, cols)
+    if not bool((flat == flat[:1]).all()):
+        return None
+    m = flat[0]
+    for a, b in (values, values.flip(0)):
+        keep = m == a  # a where j - i - d <= 0 for some diagonal d?
+        counts = keep.sum(-1)
+        inner = [i for i in range(rows) if 0 < counts[i] < cols]
+        d = int(counts[inner[0]]) - inner[0] - 1 if inner else None
+        if d is not None and torch.equal(keep, torch.ones(rows, cols, dtype=torch.bool).tril(d)):
+            return Piecewise(_le_zero(Lin(((-2, -1), (-1, 1)), -d)), py(a.item()), py(b.item()))
+    return None
+
+
 def _mask_value(node, memo=None):
     """What a mask/bias/index node computes as a Lin or Piecewise of (i, j); None when unknown."""
     memo = {} if memo is None else memo
     if isinstance(node, bool | int | float):
         return _const(node)
+    if isinstance(node, torch.fx.Node) and node.op == "get_attr":
+        # A constant tensor the graph holds (``torch.tensor(float("-inf"))`` in the forward): fixed at trace time.
+        module = node.graph.owning_module
+        if node not in memo:
+            memo[node] = _tensor_value(getattr(module, node.target, None)) if module is not None else None
+        return memo[node]
     if not isinstance(node, torch.fx.Node) or node.op != "call_function":
         return None
     if node not in memo:
@@ -173,28 +242,22 @@ def _mask_value_of(node, memo):
         return _const(_cast(int(t is aten.ones.default), kw.get("dtype", torch.float32)))
     if t in (aten.alias.default, aten.clone.default, aten.detach.default, aten.expand.default):
         return arg(0)
-    if t in (aten.view.default, aten._unsafe_view.default, aten.reshape.default):
-        # Only adding or dropping leading size-1 dims keeps the axes-from-the-end meaning.
-        src, dst = _shape(args[0]), _shape(node)
-        strip = lambda s: s[next((k for k, d in enumerate(s) if d != 1), len(s)):]  # noqa: E731
-        return arg(0) if src is not None and dst is not None and strip(src) == strip(dst) else None
+    if t in (aten.view.default, aten._unsafe_view.default, aten.reshape.default, aten.squeeze.dim,
+             aten.squeeze.dims, aten.squeeze.default):
+        return _reaxis(arg(0), _shape(args[0]), _shape(node))
     if t is aten.slice.Tensor:
         start, step = (list(args[2:]) + [None, None, None])[0], (list(args[2:]) + [None, None, None])[2]
         return arg(0) if start in (None, 0) and step in (None, 1) else None
     if t is aten.unsqueeze.default:
-        src = _shape(args[0])
-        value = arg(0)
-        if src is None or value is None:
-            return None
-        ndim = len(src) + 1
-        pos = args[1] % ndim
-
-        def shift(lin):
-            return Lin(tuple(sorted((a if len(src) + a >= pos else a - 1, c) for a, c in lin.coef)), lin.c0)
-
-        if isinstance(value, Lin):
-            return shift(value)
-        return value if value.pred is None else Piecewise(shift(value.pred), value.a, value.b)
+        return _reaxis(arg(0), _shape(args[0]), _shape(node))
+    if t in (aten.lift_fresh_copy.default, aten.lift_fresh.default):
+        return arg(0)
+    if t in _UNARY:
+        x = arg(0)
+        return _pointwise(x, _const(0), lambda u, _: _UNARY[t](u)) if isinstance(x, Piecewise) \
+            and all(isinstance(u, int | float) and not isinstance(u, bool) for u in (x.a, x.b)) else None
+    if t in _ARITH:
+        return _pointwise(arg(0), arg(1), _ARITH[t])
     if t in CONVERT_OPS:
         value, dtype = arg(0), (args[1] if t in (prims.convert_element_type.default,) else kw.get("dtype"))
         if isinstance(value, Piecewise):
@@ -262,15 +325,40 @@ def _is_fill(value) -> bool:
 # --------------------------------------------------------------------------- written-out attention
 
 
+def _chain_keeps_order(chain) -> bool:
+    """Whether layout ops applied in turn (each the input of the next) keep the flat element order
+    as a whole: e.g. einsum's permute, view, permute back. Replayed on a meta tensor whose strides
+    say where each element came from; a view that could not alias it (a reordering) fails."""
+    src = _shape(chain[0].args[0])
+    if src is None or any(_shape(n) is None for n in chain):
+        return False
+    with unset_fake_temporarily():
+        return _replay_keeps_order(chain, src)
+
+
+def _replay_keeps_order(chain, src) -> bool:
+    t = torch.empty(src, device="meta")
+    for n in chain:
+        out = _shape(n)
+        try:
+            if n.target is aten.permute.default:
+                t = t.permute(n.args[1])
+            elif n.target is aten.expand.default:
+                if math.prod(out) != t.numel():
+                    return False  # a real broadcast
+                t = t.expand(out)
+            elif n.target not in (aten.clone.default, aten.alias.default, aten.detach.default):
+                t = t.view(out)  # view/reshape/unsqueeze/squeeze: the output shape says it all
+        except RuntimeError:
+            return False
+    expect = torch.empty(t.shape, device="meta").stride()
+    return tuple(t.shape) == _shape(chain[-1]) and all(
+        t.stride(d) == expect[d] for d in range(t.dim()) if t.shape[d] != 1)
+
+
 def _keeps_order(node) -> bool:
     """A layout op that keeps the flat element order: no real broadcast, no reordering permute."""
-    src, dst = _shape(node.args[0]), _shape(node)
-    if src is None or dst is None or math.prod(src) != math.prod(dst):
-        return False
-    if node.target is aten.permute.default:
-        big = [d for d in node.args[1] if src[d] != 1]
-        return big == sorted(big)
-    return True
+    return _chain_keeps_order([node])
 
 
 def _match_softmax(node):
@@ -284,8 +372,10 @@ def _match_softmax(node):
     if total.target is not aten.sum.dim_IntList or total.args[0] is not e or not last(e, total.args[1]) \
             or not (len(total.args) > 2 and total.args[2] or total.kwargs.get("keepdim")):
         return None
-    if e.target is not aten.exp.default or e.args[0].target is not aten.sub.Tensor:
+    if e.target is not aten.exp.default:
         return None
+    if e.args[0].target is not aten.sub.Tensor:  # written without subtracting the max: exp(x) / sum
+        return e.args[0], [node, total, e]
     x, mx = e.args[0].args
     while isinstance(mx, torch.fx.Node) and mx.target in (aten.alias.default, aten.detach.default):
         mx = mx.args[0]
@@ -301,32 +391,72 @@ def _match_softmax(node):
     return (x, [node, total, e, e.args[0], mx]) if ok else None
 
 
+def _scale_of(node, scores):
+    """The positive number a scale op multiplies `scores` by (a Python number, or a constant tensor
+    such as ``torch.sqrt(torch.tensor(d))``); NoMatch for anything else (a learned temperature)."""
+    other = [a for a in node.args if a is not scores]
+    value = _mask_value(other[0]) if len(other) == 1 else None
+    c = value.a if isinstance(value, Piecewise) and value.pred is None else None
+    if isinstance(other[0] if other else None, torch.fx.Node) and c is None:
+        raise NoMatch(f"{node} scales the scores by a tensor {other[0]} that is not a constant (a learned "
+                      "temperature?); multiplying it into q instead lets the op take it")
+    if not isinstance(c, int | float) or isinstance(c, bool) or not math.isfinite(c) or c <= 0 \
+            or (SCALE_OPS[node.target] and node.args[0] is not scores):
+        raise NoMatch(f"{node} scales the scores by something other than a positive number")
+    return 1 / c if SCALE_OPS[node.target] else c
+
+
+def _causal_bias(bias, rows, cols) -> None:
+    """Raise NoMatch unless `bias`, added to the scores, is 0 where j <= i and a -inf fill elsewhere."""
+    value = _mask_value(bias)
+    if not isinstance(value, Piecewise) or value.pred is None:
+        raise NoMatch(f"the scores get a bias {bias} that is not built in the graph from indices")
+    if value.a == 0 and _is_fill(_const(value.b)):
+        _is_causal_keep(Piecewise(value.pred, True, False), True, bias, rows, cols)
+    elif value.b == 0 and _is_fill(_const(value.a)):
+        _is_causal_keep(Piecewise(value.pred, False, True), True, bias, rows, cols)
+    else:
+        raise NoMatch(f"the scores get a bias {bias} that is not 0 / -inf")
+
+
+def _is_scores(node, rows, cols) -> bool:
+    return isinstance(node, torch.fx.Node) and (_shape(node) or (0, 0))[-2:] == (rows, cols)
+
+
 def _walk_scores(x, rows: int, cols: int):
-    """From the softmax input back to bmm(Q, Kᵀ): returns (bmm node, scale, is_causal)."""
-    scale, causal, node = 1.0, False, x
+    """From the softmax input back to Q·Kᵀ (a bmm, or a baddbmm adding a causal mask):
+    returns (product node, Q, Kᵀ, scale, is_causal)."""
+    scale, causal, node, chain = 1.0, False, x, []
     while True:
         if not isinstance(node, torch.fx.Node) or node.op != "call_function":
             raise NoMatch(f"scores come from {node}, not from a Q·Kᵀ bmm")
         t = node.target
-        if t is aten.bmm.default:
-            if _shape(node)[1:] != (rows, cols):
-                raise NoMatch(f"{node} has shape {_shape(node)}, expected [*, {rows}, {cols}]")
-            return node, scale, causal
         if t in LAYOUT_OPS:
-            if not _keeps_order(node):
-                raise NoMatch(f"scores are reordered by {node}")
+            chain.append(node)
             node = node.args[0]
             continue
-        if (_shape(node) or (0, 0))[-2:] != (rows, cols):
+        if chain and not _chain_keeps_order(chain[::-1]):
+            raise NoMatch(f"scores are reordered by {chain[-1]}")
+        chain = []
+        if t in (aten.bmm.default, aten.baddbmm.default):
+            if _shape(node)[1:] != (rows, cols):
+                raise NoMatch(f"{node} has shape {_shape(node)}, expected [*, {rows}, {cols}]")
+            if t is aten.baddbmm.default:
+                beta, alpha = node.kwargs.get("beta", 1), node.kwargs.get("alpha", 1)
+                if beta != 1 or causal or not isinstance(alpha, int | float) or alpha <= 0:
+                    raise NoMatch(f"{node} adds beta={beta}·mask to alpha={alpha}·Q·Kᵀ")
+                _causal_bias(node.args[0], rows, cols)
+                return node, node.args[1], node.args[2], scale * alpha, True
+            return node, node.args[0], node.args[1], scale, causal
+        if not _is_scores(node, rows, cols):
             raise NoMatch(f"{node} has shape {_shape(node)}, expected [..., {rows}, {cols}]")
         if t in CONVERT_OPS:
             node = node.args[0]
         elif t in SCALE_OPS:
-            (s,) = [a for a in node.args if isinstance(a, torch.fx.Node)] or [None]
-            (c,) = [a for a in node.args if isinstance(a, int | float) and not isinstance(a, bool)] or [None]
-            if s is None or c is None or not math.isfinite(c) or c <= 0:
-                raise NoMatch(f"{node} scales the scores by something other than a positive number")
-            scale, node = (scale / c if SCALE_OPS[t] else scale * c), s
+            scores = [a for a in node.args if _is_scores(a, rows, cols)]
+            if len(scores) != 1:
+                raise NoMatch(f"{node} multiplies two [.., {rows}, {cols}] tensors")
+            scale, node = scale * _scale_of(node, scores[0]), scores[0]
         elif t in (aten.where.self, aten.where.ScalarSelf, aten.where.ScalarOther) and not causal:
             cond, a, b = node.args
             if _is_fill(_mask_value(b)):
@@ -341,30 +471,30 @@ def _walk_scores(x, rows: int, cols: int):
         elif t is aten.add.Tensor and not causal:
             scores_first = isinstance(node.args[1], torch.fx.Node) and _mask_value(node.args[1]) is not None
             s, bias = node.args if scores_first else node.args[::-1]
-            value = _mask_value(bias)
-            if not isinstance(value, Piecewise) or value.pred is None:
-                raise NoMatch(f"{node} adds a bias {bias} that is not built in the graph from indices")
-            if value.a == 0 and _is_fill(_const(value.b)):
-                _is_causal_keep(Piecewise(value.pred, True, False), True, bias, rows, cols)
-            elif value.b == 0 and _is_fill(_const(value.a)):
-                _is_causal_keep(Piecewise(value.pred, False, True), True, bias, rows, cols)
-            else:
-                raise NoMatch(f"{node} adds a bias {bias} that is not 0 / -inf")
+            _causal_bias(bias, rows, cols)
             causal, node = True, s
         else:
             raise NoMatch(f"scores pass through {t} ({node})")
 
 
 def _find_pv(p, tangent_deps):
-    """The bmm(P, V) that the softmax output `p` feeds through layout ops and casts."""
-    found, work, others = [], [p], []
+    """The bmm(P, V) that the softmax output `p` feeds through layout ops (keeping the element
+    order as a whole) and casts."""
+    found, work, others = [], [(p, [])], []
     while work:
-        n = work.pop()
+        n, chain = work.pop()
         for u in n.users:
-            if u.target is aten.bmm.default and u.args[0] is n:
+            if u.target is aten.bmm.default and u.args[0] is n and (not chain or _chain_keeps_order(chain)):
                 found.append(u)
-            elif u.target in CONVERT_OPS or (u.target in LAYOUT_OPS and _keeps_order(u)):
-                work.append(u)
+            elif u.target is aten.bmm.default and u not in tangent_deps:
+                others.append(u)
+            elif u.target in CONVERT_OPS:
+                if chain and not _chain_keeps_order(chain):
+                    others.append(u)
+                else:
+                    work.append((u, []))
+            elif u.target in LAYOUT_OPS and len(chain) < 16:
+                work.append((u, chain + [u]))
             elif u not in tangent_deps:
                 others.append(u)
     if len(found) != 1:
@@ -382,9 +512,9 @@ def _transpose_bmms(node, side: int):
 def _plan(softmax_node, x, tangent_deps):
     """Everything needed to rewrite one written-out attention; raises NoMatch."""
     rows, cols = _shape(x)[-2:]
-    qk, scale, causal = _walk_scores(x, rows, cols)
+    qk, q, kt, scale, causal = _walk_scores(x, rows, cols)
     pv = _find_pv(softmax_node, tangent_deps)
-    q, kt, v = qk.args[0], qk.args[1], pv.args[1]
+    v = pv.args[1]
     bh, d, dv = _shape(q)[0], _shape(q)[2], _shape(v)[2]
     if _shape(pv.args[0]) != (bh, rows, cols):
         raise NoMatch(f"weights {pv.args[0]} have shape {_shape(pv.args[0])}, expected {(bh, rows, cols)}")
@@ -531,6 +661,9 @@ def _sdpa_rewrite(graph, node, plan):
 @register_pass(NAME, stage="joint")
 def replace_attention(graph: torch.fx.Graph) -> int:
     """Rewrite naive attention and SDPA (fwd and bwd together) into cstack.flash_attention_{fwd,bwd}."""
+    import os
+    if os.environ.get("ATTN_DUMP"):
+        print(graph)
     tangents = [n for n in graph.nodes if n.op == "placeholder" and n.name.startswith("tangents")]
     tangent_deps = reachable(tangents, lambda n: n.users)
     replaced, gone, tried = 0, set(), set()
