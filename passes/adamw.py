@@ -13,23 +13,36 @@ finds and proves the update:
    value reads only themselves and one unmutated input ``g``; ``p`` is a
    mutated input whose new value reads exactly ``p``, ``m``, ``v`` and that
    same ``g``; all four of one shape. Foreach ops are followed element by
-   element. A chain may also read one scalar input (the step: a SymInt, or
-   torch.optim's 0-d step tensor) and constants, through whitelisted
-   elementwise ops only.
+   element. A moment may also be *fresh*: a zero tensor the graph creates
+   (an optimizer creating its state lazily, at its first step), whose new
+   value the graph returns (Dynamo stores it into the state) rather than
+   copying it back; the fused call then updates that zero tensor in place and
+   the graph returns it. A chain may also read scalar inputs (SymInts, SymFloats, 0-d
+   tensors: the step, torch.optim's 0-d step tensor, an lr a scheduler
+   changes, a tensor lr) and constants, through whitelisted elementwise ops
+   and Python scalar arithmetic only. A scalar input that an exponent of a
+   power reads is a *step* input; any other is a *hyperparameter* input.
 2. Semantics, by identity testing: the chain is evaluated in float64 on
    probe values (special points that read off β₁, β₂, the decay 1 − lr·wd,
    the update's scale A and its eps term E; then random and tiny values) at
-   several step values, and must equal the AdamW update with the extracted
-   coefficients to 1e-9 — in the reference form (eps outside the bias
-   correction) or torch.optim's (eps scaled by √(1 − β₂ᵗ)). The step t is the
-   exponent of the graph's β₁ᵗ/β₂ᵗ powers and becomes the op's ``step``
-   tensor; lr is constant across steps or the chain is left alone. A chain
-   with no step input (the reference optimizer's first compile, t baked in)
-   is rewritten with step 1 and the lr/weight decay that give the same
-   update. Anything else is left alone with a ``note``.
+   several values of its scalar inputs (step inputs at several steps,
+   hyperparameter inputs scaled independently), and must equal the AdamW
+   update with the extracted coefficients to 1e-9 — in the reference form
+   (eps outside the bias correction) or torch.optim's (eps scaled by
+   √(1 − β₂ᵗ)). β₁, β₂, eps and the weight decay must be the same at every
+   probe; lr may change. The step t is the exponent of the graph's β₁ᵗ/β₂ᵗ
+   powers and becomes the op's ``step`` tensor. An lr that is the same at
+   every probe is a constant of the call; one that changes (a scalar input,
+   or computed in the step from the step count: warmup, cosine) must be, at
+   every probe, a constant multiple k of one scalar value the graph computes
+   (the input itself, a cast of it, lr·wd...): that value times k becomes the
+   op's ``lr`` tensor. A chain with no step input (the reference optimizer's
+   first compile, t baked in) is rewritten with step 1 and the lr/weight
+   decay that give the same update. Anything else is left alone with a
+   ``note``.
 
-Chains with equal coefficients form one call (torch.optim param groups with
-different lr/wd give one call each); the pass returns the number of fused
+Chains with equal coefficients and the same lr source form one call (torch.optim param
+groups with different lr/wd give one call each); the pass returns the number of fused
 calls inserted, normally 1 per optimizer graph. torch.optim keeps one step
 tensor per parameter; the call takes the first and, where a group has
 several, an in-graph ``_assert_async`` checks at run time that they are equal
@@ -57,16 +70,23 @@ NAME = "adamw"
 # decomposition of ``lerp`` picks its formula from the weight (torch 2.11's Inductor uses it).
 _ELEMENTWISE = {"add", "sub", "rsub", "mul", "div", "true_divide", "sqrt", "rsqrt", "neg", "reciprocal", "pow",
                 "addcdiv", "addcmul", "lerp", "copy", "clone", "convert_element_type", "_to_copy",
-                "scalar_tensor", "full", "fma", "abs", "ge", "gt", "le", "lt", "where"}
-# Comparisons may read constants and the step only: a branch on the data (clipping, say) could
-# agree with AdamW at every probe and still differ elsewhere.
-_DATA_FREE = {"ge", "gt", "le", "lt"}
-# Python-level scalar arithmetic on SymInts/SymFloats.
-_SCALAR_FUNCTIONS = {operator.add, operator.sub, operator.mul, operator.truediv, operator.pow, operator.neg,
-                     math.sqrt, torch.sym_float, torch._sym_sqrt}
+                "scalar_tensor", "full", "fma", "abs", "ge", "gt", "le", "lt", "where",
+                "_local_scalar_dense", "cos", "sin", "exp", "log", "minimum", "maximum", "clamp",
+                "alias", "detach", "lift_fresh_copy"}  # aliases: a `.data` or `.detach()` read, the same values
+# Comparisons, min/max and the transcendental functions may read constants and scalar inputs only:
+# a branch on the data (clipping, say) could agree with AdamW at every probe and still differ elsewhere.
+_DATA_FREE = {"ge", "gt", "le", "lt", "minimum", "maximum", "clamp", "cos", "sin", "exp", "log"}
+# Python-level scalar arithmetic on SymInts/SymFloats (an lr schedule computed inside the step, say).
+_SCALAR_FUNCTIONS = {operator.add, operator.sub, operator.mul, operator.truediv, operator.floordiv, operator.mod,
+                     operator.pow, operator.neg, math.sqrt, math.cos, math.sin, math.exp, math.log,
+                     torch.sym_float, torch.sym_min, torch.sym_max, torch._sym_sqrt}
+_SCALAR_FUNCTIONS |= {getattr(torch, f"_sym_{f}") for f in ("cos", "sin", "exp", "log") if hasattr(torch, f"_sym_{f}")}
 
-# Step values the chains are evaluated at (the scalar input's value; t is a function of it).
+# Step values the chains are evaluated at (a step input's value; t is a function of it).
 _STEP_PROBES = (0, 1, 6, 999)
+# Factors a hyperparameter input's traced value is scaled by at those same probes; input j also
+# by (1 + j/3), so that two such inputs never move together.
+_HYPER_PROBES = (1.0, 0.5, 2.0, 0.3)
 # Agreement required between a chain and the AdamW update in float64.
 _RTOL = 1e-9
 
@@ -84,12 +104,24 @@ def _base_name(node: Node) -> str | None:
     return name.removeprefix("_foreach_") if name is not None else None
 
 
+def _constant(node: Node):
+    """The tensor a ``get_attr`` node reads from the graph's module (None if there is none)."""
+    module = node.graph.owning_module
+    try:
+        return getattr(module, node.target) if module is not None else None
+    except AttributeError:
+        return None
+
+
 def _is_foreach(node: Node) -> bool:
     name = _op_name(node.target) if node.op == "call_function" else None
     return name is not None and name.startswith("_foreach_")
 
 
 def _allowed(node: Node) -> bool:
+    if node.op == "get_attr":  # a constant the step made (torch.tensor(0.0)): a 0-d tensor
+        val = _constant(node)
+        return isinstance(val, torch.Tensor) and val.dim() == 0
     if node.op != "call_function":
         return False
     if node.target is operator.getitem:
@@ -103,6 +135,19 @@ def _is_data(node: Node) -> bool:
     """A tensor input of rank >= 1 (parameter, gradient, moment); rank-0 inputs and numbers are scalars."""
     val = fake_value(node)
     return node.op == "placeholder" and isinstance(val, torch.Tensor) and val.dim() >= 1
+
+
+def _returned(chain, x: Node) -> bool:
+    """Whether the chain's new value of ``x`` is returned by the graph rather than copied back into ``x``."""
+    return x not in chain.copies
+
+
+def _is_fresh(node: Node) -> bool:
+    """A zero tensor of rank >= 1 the graph creates (``full(shape, 0)``): a moment made on the first step."""
+    val = fake_value(node)
+    return (node.op == "call_function" and node.target in (aten.full.default, aten.zeros.default)
+            and (node.target is aten.zeros.default or node.args[1] == 0)
+            and isinstance(val, torch.Tensor) and val.dim() >= 1)
 
 
 class _Flow:
@@ -125,7 +170,9 @@ class _Flow:
         """(data inputs, scalar inputs, values passed through) of a value, following foreach elements."""
         key = (node, index)
         if key not in self.memo:
-            if node.op == "placeholder":
+            if _is_fresh(node):
+                self.memo[key] = (frozenset([node]), frozenset(), frozenset())
+            elif node.op == "placeholder":
                 data, scalars = (frozenset([node]), frozenset()) if _is_data(node) else (frozenset(), frozenset([node]))
                 self.memo[key] = (data, scalars, frozenset())
             else:
@@ -154,7 +201,8 @@ class _Chain:
             self.scalars |= scalars
         self.nodes = {node for node, _ in self.values}
         self.step: Node | None = None  # node holding t, None when t is baked in
-        self.coefficients: tuple | None = None
+        self.coefficients: tuple | None = None  # (β₁, β₂, weight_decay, eps, torch_semantics)
+        self.lr: tuple | None = None  # (lr,) when constant, else (node, index, k): lr = k·value
 
     def __repr__(self):
         return f"update of {self.p.name}"
@@ -172,9 +220,22 @@ def _find_chains(graph: Graph, flow: _Flow) -> list[_Chain]:
                 continue
             copies[dst], new[dst] = node, node.args[1]
     mutated = {x for x, c in copies.items() if c is not None and _is_data(x) and isinstance(new[x], Node)}
+    # Returned moments: a value the graph returns that reads exactly two tensors, each an unmutated
+    # input or a fresh zero tensor, is a candidate new value of either; the moment is the one of the
+    # two that only this returned value reads (the gradient is read by both moments).
+    candidates: dict[Node, set[Node]] = {}
+    for out in graph.find_nodes(op="output")[0].all_input_nodes:
+        data = flow.reach(out)[0]
+        if len(data) == 2 and all(_is_fresh(x) or (_is_data(x) and x not in mutated) for x in data):
+            for x in data:
+                candidates.setdefault(x, set()).add(out)
+    for x, outs in candidates.items():
+        if len(outs) == 1:
+            new[x] = next(iter(outs))
+            mutated.add(x)
     reads = {x: flow.reach(new[x]) for x in mutated}
     chains, taken = [], set()
-    for p in [n for n in graph.nodes if n in mutated]:
+    for p in [n for n in graph.nodes if n in mutated and n.op == "placeholder"]:
         data, scalars, _ = reads[p]
         if p not in data or len(data) < 3:
             continue
@@ -187,8 +248,8 @@ def _find_chains(graph: Graph, flow: _Flow) -> list[_Chain]:
                        "not the AdamW inputs (param, grad, exp_avg, exp_avg_sq)")
             continue
         m, v = moments  # which is which: _prove tells them apart
-        if len(scalars) > 1 or taken & {p, g, m, v}:
-            note(NAME, f"left {p.name} alone: reads several scalar inputs or shares inputs with another update")
+        if taken & {p, g, m, v}:
+            note(NAME, f"left {p.name} alone: shares inputs with another update")
             continue
         shapes = {tuple(fake_value(x).shape) for x in (p, g, m, v)}
         if len(shapes) != 1:
@@ -304,56 +365,128 @@ def _exponent(chain: _Chain, env, flow: _Flow, order, betas) -> Node | None:
 
 
 def _coefficients(readings):
-    """(β₁, β₂, lr, weight_decay, eps, torch_semantics) if every reading is the AdamW update, else None."""
-    decay, beta1, beta2, _, _ = readings[0][0]
-    if not all(_close([r[0][i] for r in readings]) for i in range(3)):
+    """((β₁, β₂, weight_decay, eps, torch_semantics), lr per reading) if every reading is the AdamW
+    update with those coefficients and its own lr, else None."""
+    _, beta1, beta2, _, _ = readings[0][0]
+    if not all(_close([r[0][i] for r in readings]) for i in (1, 2)):
         return None
     ts = [r[1] for r in readings]
     bc1 = [1 - beta1**t for t in ts]
     bc2 = [1 - beta2**t for t in ts]
     lrs = [r[0][3] * b1 / math.sqrt(b2) for r, b1, b2 in zip(readings, bc1, bc2)]
-    es = [r[0][4] for r in readings]
-    if not _close(lrs):
+    if not all(math.isfinite(lr) and lr > 0 for lr in lrs):
         return None
+    es = [r[0][4] for r in readings]
     if _close(es):
         torch_semantics, eps = False, es[0]
     elif _close([e / math.sqrt(b2) for e, b2 in zip(es, bc2)]):
         torch_semantics, eps = True, es[0] / math.sqrt(bc2[0])
     else:
         return None
-    lr = lrs[0]
-    if not (math.isfinite(lr) and lr > 0 and math.isfinite(eps) and eps >= 0):
+    decays = [(1 - r[0][0]) / lr for r, lr in zip(readings, lrs)]  # weight decay, per reading
+    if all(abs(d) < 1e-12 for d in decays):
+        decays = [0.0] * len(decays)
+    if not (_close(decays) and math.isfinite(eps) and eps >= 0):
         return None
-    coefficients = tuple(map(_tidy, (beta1, beta2, lr, (1 - decay) / lr, eps))) + (torch_semantics,)
-    if coefficients[3] < 0:
+    beta1, beta2, weight_decay, eps = map(_tidy, (beta1, beta2, decays[0], eps))
+    if weight_decay < 0:
         return None
-    beta1, beta2, lr, weight_decay, eps, _ = coefficients
-    for (_, t, outputs) in readings:
-        expected = _expected(*coefficients, t)
+    lrs = [_tidy(lr) for lr in lrs]
+    for (_, t, outputs), lr in zip(readings, lrs):
+        expected = _expected(beta1, beta2, lr, weight_decay, eps, torch_semantics, t)
         if not all(torch.allclose(got, exp, rtol=_RTOL, atol=0.0) for got, exp in zip(outputs, expected)):
             return None
-    return coefficients
+    return (beta1, beta2, weight_decay, eps, torch_semantics), lrs
+
+
+def _step_inputs(chain: _Chain, flow: _Flow) -> set[Node]:
+    """The scalar inputs an exponent of a power in the chain reads (the step's)."""
+    steps = set()
+    for node, index in chain.values:
+        if node.target is not operator.pow and _op_name(node.target) not in ("pow", "_foreach_pow"):
+            continue
+        exponent = node.args[1]
+        if index is not None and isinstance(exponent, (list, tuple)):
+            exponent = exponent[index]
+        if isinstance(exponent, Node):
+            steps |= flow.reach(exponent)[1]
+    return steps
+
+
+def _hint(node: Node):
+    """The value a SymInt/SymFloat input was traced with; None for a tensor or when unknown."""
+    val = fake_value(node)
+    hint = getattr(getattr(val, "node", None), "hint", None)
+    return hint if isinstance(hint, (int, float)) else None
+
+
+def _scalar_probe(node: Node, k: int, steps: set[Node], j: int):
+    """Scalar input ``node``'s value at probe ``k``: a step at ``_STEP_PROBES[k]``; hyperparameter
+    input ``j`` at its traced value (1e-3 for a tensor) scaled by ``_HYPER_PROBES[k]·(1 + j/3)``."""
+    val = fake_value(node)
+    if node in steps:
+        value = _STEP_PROBES[k]
+    elif isinstance(val, torch.SymInt) or isinstance(val, int):
+        value = (_hint(node) or 1) * (1, 2, 3, 5)[k] + j
+    else:
+        value = (_hint(node) or 1e-3) * _HYPER_PROBES[k] * (1 + j / 3)
+    if isinstance(val, torch.Tensor):
+        return torch.tensor(float(value), dtype=torch.float64)
+    return value
+
+
+def _lr_source(chain: _Chain, envs, lrs, flow: _Flow, order):
+    """(node, index, k) with lr = k·value at every probe: the earliest scalar value of the chain
+    (an input, a cast of it, lr·wd...) proportional to the changing lr; None if there is none."""
+    candidates = chain.values | {(s, None) for s in chain.scalars}
+    for node, index in sorted(candidates, key=lambda ref: (order[ref[0]], ref[1] or 0)):
+        if flow.reach(node, index)[0]:
+            continue
+        val = fake_value(node, index)
+        if not (isinstance(val, (torch.SymInt, torch.SymFloat, int, float))
+                or (isinstance(val, torch.Tensor) and val.dim() == 0 and val.dtype.is_floating_point)):
+            continue
+        values = []
+        for env in envs:
+            x = env[node]
+            x = x[index] if index is not None else x
+            if isinstance(x, torch.Tensor) and x.dim() != 0:
+                break
+            values.append(_as_float(x))
+        if len(values) != len(envs) or not all(math.isfinite(x) and x != 0 for x in values):
+            continue
+        ks = [lr / x for lr, x in zip(lrs, values)]
+        if _close(ks) and ks[0] > 0:
+            return node, index, _tidy(ks[0])
+    return None
 
 
 def _prove(chains: list[_Chain], graph: Graph, flow: _Flow, order) -> list[_Chain]:
-    """Evaluate the chains on float64 probes; keep those equal to AdamW, with coefficients and step set."""
+    """Evaluate the chains on float64 probes; keep those equal to AdamW, with coefficients, lr and step set."""
     needed = reachable([n for c in chains for n in c.nodes], lambda n: n.all_input_nodes)  # foreach lists too
     roles = {getattr(c, r): r for c in chains for r in "pgmv"}
+    steps = set().union(*(_step_inputs(c, flow) for c in chains))
+    hyper = sorted({s for c in chains for s in c.scalars} - steps, key=order.__getitem__)
 
-    def run(step, values):
+    def run(k, values):
         inputs = {}
         for node in needed:
+            if _is_fresh(node) and node in roles:
+                inputs[node] = values[roles[node]]
+                continue
             if node.op != "placeholder":
                 continue
             if _is_data(node):
                 inputs[node] = values[roles[node]] if node in roles else torch.ones_like(values["p"])
-            elif isinstance(fake_value(node), torch.Tensor):
-                inputs[node] = torch.tensor(float(step), dtype=torch.float64)
             else:
-                inputs[node] = step
+                inputs[node] = _scalar_probe(node, k, steps, hyper.index(node) if node in hyper else 0)
         env = dict(inputs)
         for node in graph.nodes:
             if node in needed and node not in env:
+                if node.op == "get_attr" and isinstance(_constant(node), torch.Tensor):
+                    value = _constant(node)
+                    env[node] = value.double() if value.is_floating_point() else value
+                    continue
                 if node.op != "call_function":
                     raise ValueError(f"{node.name} is a {node.op} node")
                 args, kwargs = map_arg((node.args, node.kwargs), env.__getitem__)
@@ -371,7 +504,7 @@ def _prove(chains: list[_Chain], graph: Graph, flow: _Flow, order) -> list[_Chai
                 roles[chain.m], roles[chain.v] = "m", "v"
         probes = _probes()
         scalar_inputs = any(c.scalars for c in chains)
-        envs = [run(s, probes) for s in (_STEP_PROBES if scalar_inputs else (1,))]
+        envs = [run(k, probes) for k in (range(len(_STEP_PROBES)) if scalar_inputs else (1,))]
     except Exception as e:  # an op the float64 probes cannot run: nothing is proven
         note(NAME, f"left the optimizer update alone: evaluating it on probes failed ({type(e).__name__}: {e})")
         return []
@@ -383,7 +516,7 @@ def _prove(chains: list[_Chain], graph: Graph, flow: _Flow, order) -> list[_Chai
         if first is None:
             note(NAME, f"left {chain} alone: not of the form p' = decay·p − A·m'/(√v' + E) with 0 < β < 1")
             continue
-        if chain.scalars:
+        if chain.scalars & steps:
             chain.step = _exponent(chain, envs[0], flow, order, first[1:3])
             if chain.step is None:
                 note(NAME, f"left {chain} alone: it reads a step but raises no beta to its power")
@@ -397,9 +530,16 @@ def _prove(chains: list[_Chain], graph: Graph, flow: _Flow, order) -> list[_Chai
             if read is None:
                 break
             readings.append((read, t, out))
-        chain.coefficients = _coefficients(readings) if len(readings) == len(envs) else None
-        if chain.coefficients is None:
-            note(NAME, f"left {chain} alone: its update is not AdamW's (reference or torch.optim form)")
+        proven_update = _coefficients(readings) if len(readings) == len(envs) else None
+        if proven_update is None:
+            note(NAME, f"left {chain} alone: its update is not AdamW's (reference or torch.optim form) "
+                       "with constant betas, eps and weight decay")
+            continue
+        chain.coefficients, lrs = proven_update
+        chain.lr = (lrs[0],) if _close(lrs) else _lr_source(chain, envs, lrs, flow, order)
+        if chain.lr is None:
+            note(NAME, f"left {chain} alone: its lr changes with the scalar inputs but is no multiple of "
+                       "one value the graph computes")
             continue
         proven.append(chain)
     return proven
@@ -407,12 +547,14 @@ def _prove(chains: list[_Chain], graph: Graph, flow: _Flow, order) -> list[_Chai
 
 def _isolated(chain: _Chain, flow: _Flow, order, insert_at: Node) -> bool:
     """The chain's tensor values feed only itself and its epilogue; nothing after the call reads p, m or v."""
-    inside = chain.nodes | {chain.copies[x] for x in (chain.p, chain.m, chain.v)}
+    inside = chain.nodes | {chain.copies[x] for x in (chain.p, chain.m, chain.v) if x in chain.copies}
+    returned = {chain.new[x] for x in (chain.m, chain.v) if _returned(chain, x)}  # the graph returns these
     for node, index in chain.values:
         if order[node] >= order[insert_at]:
             note(NAME, f"left {chain} alone: its update is computed after the epilogue starts")
             return False
-        if index is None and not _is_foreach(node) and flow.reach(node)[0] and not set(node.users) <= inside:
+        users = {u for u in node.users if not (u.op == "output" and node in returned)}
+        if index is None and not _is_foreach(node) and flow.reach(node)[0] and not users <= inside:
             note(NAME, f"left {chain} alone: {node.name} is also used outside the update")
             return False
     for x in (chain.p, chain.m, chain.v):
@@ -423,8 +565,9 @@ def _isolated(chain: _Chain, flow: _Flow, order, insert_at: Node) -> bool:
     return True
 
 
-def _step_f32(add, step: Node, device) -> Node:
-    """t as a 0-d float32 tensor: a tensor is cast, a SymInt/SymFloat becomes a tensor on ``device``."""
+def _f32(add, step: Node, device) -> Node:
+    """A scalar value (t, lr) as a 0-d float32 tensor: a tensor is cast, a SymInt/SymFloat becomes a
+    tensor on ``device``."""
     val = fake_value(step)
     if isinstance(val, torch.Tensor):
         if val.dtype == torch.float32:
@@ -436,14 +579,22 @@ def _step_f32(add, step: Node, device) -> Node:
 def _fuse(graph: Graph, group: list[_Chain], fake_mode) -> Node:
     """Insert one fused call for ``group`` (at the graph's insertion point); returns the call node."""
     add = functools.partial(insert_call, graph, fake_mode=fake_mode)
-    beta1, beta2, lr, weight_decay, eps, torch_semantics = group[0].coefficients
+    beta1, beta2, weight_decay, eps, torch_semantics = group[0].coefficients
     device = fake_value(group[0].p).device
-    lr_node = add(aten.scalar_tensor.default, (lr,), {"dtype": torch.float32, "device": device})
+    if len(group[0].lr) == 1:  # constant
+        lr_node = add(aten.scalar_tensor.default, group[0].lr, {"dtype": torch.float32, "device": device})
+    else:  # k times a scalar value of the graph
+        node, index, k = group[0].lr
+        if index is not None:
+            node = add(operator.getitem, (node, index))
+        lr_node = _f32(add, node, device)
+        if k != 1.0:
+            lr_node = add(aten.mul.Tensor, (lr_node, k))
     steps = list(dict.fromkeys(c.step for c in group))
     if steps == [None]:
         step = add(aten.scalar_tensor.default, (1.0,), {"dtype": torch.float32, "device": device})
     else:
-        step_values = [_step_f32(add, s, device) for s in steps]
+        step_values = [_f32(add, s, device) for s in steps]
         step = step_values[0]
         if len(steps) > 1:
             # Past decomposition, only ops Inductor lowers: cat of [1]-views (not stack), any (not all).
@@ -451,7 +602,12 @@ def _fuse(graph: Graph, group: list[_Chain], fake_mode) -> Node:
             same = add(aten.logical_not.default, (add(aten.any.default, (add(aten.ne.Tensor, (stacked, step)),)),))
             add(aten._assert_async.msg,
                 (same, "fused AdamW: parameters of one group are at different steps (one missed updates)"))
-    lists = [[getattr(c, r) for c in group] for r in "pgmv"]
+    for c in group:
+        # A returned moment read from an input (its new value stored back out of place): the call
+        # updates a copy, so the input keeps its value as in eager; a fresh zero tensor is its own.
+        c.buffers = {x: add(aten.clone.default, (x,)) if _returned(c, x) and not _is_fresh(x) else x
+                     for x in (c.p, c.m, c.v)}
+    lists = [[c.buffers.get(getattr(c, r), getattr(c, r)) for c in group] for r in "pgmv"]
     call = add(torch.ops.cstack.fused_adamw_.default,
                (*lists, lr_node, step, beta1, beta2, eps, weight_decay, torch_semantics))
     call.meta["val"] = None
@@ -470,11 +626,12 @@ def fuse_adamw(graph: Graph) -> int:
         chains = _prove(chains, graph, flow, order)
     if not chains:
         return 0
-    insert_at = min((c.copies[x] for c in chains for x in (c.p, c.m, c.v)), key=order.__getitem__)
+    insert_at = min((c.copies[x] for c in chains for x in (c.p, c.m, c.v) if x in c.copies),
+                    key=order.__getitem__)
     chains = [c for c in chains if _isolated(c, flow, order, insert_at)]
     groups: dict[tuple, list[_Chain]] = {}
     for chain in chains:
-        groups.setdefault((chain.coefficients, chain.step is None), []).append(chain)
+        groups.setdefault((chain.coefficients, chain.lr, chain.step is None), []).append(chain)
 
     placeholders = [fake_value(n) for n in graph.nodes if n.op == "placeholder"]
     fake_mode = torch._guards.detect_fake_mode(placeholders)
@@ -490,8 +647,12 @@ def fuse_adamw(graph: Graph) -> int:
             note(NAME, f"left {len(group)} AdamW updates alone: the fused op refuses them ({e})")
             continue
         fused.append(group)
+    output = graph.find_nodes(op="output")[0]
     for chain in (c for group in fused for c in group):
         for x in (chain.p, chain.m, chain.v):
-            graph.erase_node(chain.copies[x])
+            if _returned(chain, x):  # the graph returns the tensor the call updated
+                output.replace_input_with(chain.new[x], chain.buffers[x])
+            else:
+                graph.erase_node(chain.copies[x])
     erase_dead(graph, set().union(*(c.nodes for group in fused for c in group)))
     return len(fused)
