@@ -305,10 +305,20 @@ _KEEP_CAUSAL = _le_zero(Lin(((-2, -1), (-1, 1)), 0))  # j - i <= 0
 _DROP_CAUSAL = _le_zero(Lin(((-2, 1), (-1, -1)), 1))  # i - j + 1 <= 0, i.e. j > i
 
 
+def _unknown_mask(node) -> str:
+    """Why a mask/bias could not be evaluated: it comes from a graph input, or it is built in the
+    graph but is not one diagonal split of the (query, key) grid."""
+    inputs = [n for n in reachable([node], lambda n: n.all_input_nodes) if n.op == "placeholder"]
+    if inputs:
+        return (f"mask {node} comes from graph input {inputs[0]} (a buffer, or a tensor made outside the "
+                "block): its values are not known when compiling, so it cannot be proven causal")
+    return f"mask {node} is not causal (key <= query): not one diagonal split of the (query, key) grid"
+
+
 def _is_causal_keep(value, keep_if_true: bool, node, rows: int, cols: int) -> None:
     """Raise NoMatch unless `value` (a bool mask, True meaning keep when keep_if_true) keeps exactly j <= i."""
     if not isinstance(value, Piecewise) or value.pred is None or not isinstance(value.a, bool):
-        raise NoMatch(f"mask {node} is not a structure built in the graph (iota/arange/ones/tril/...)")
+        raise NoMatch(_unknown_mask(node))
     keep_when_pred = value.a if keep_if_true else not value.a
     if value.a == value.b or (value.pred, keep_when_pred) not in ((_KEEP_CAUSAL, True), (_DROP_CAUSAL, False)):
         raise NoMatch(f"mask {node} is not causal (key <= query)")
@@ -410,7 +420,7 @@ def _causal_bias(bias, rows, cols) -> None:
     """Raise NoMatch unless `bias`, added to the scores, is 0 where j <= i and a -inf fill elsewhere."""
     value = _mask_value(bias)
     if not isinstance(value, Piecewise) or value.pred is None:
-        raise NoMatch(f"the scores get a bias {bias} that is not built in the graph from indices")
+        raise NoMatch(_unknown_mask(bias))
     if value.a == 0 and _is_fill(_const(value.b)):
         _is_causal_keep(Piecewise(value.pred, True, False), True, bias, rows, cols)
     elif value.b == 0 and _is_fill(_const(value.a)):
@@ -616,13 +626,21 @@ def _sdpa_plan(node):
     q, k, v = kw["query"], kw["key"], kw["value"]
     if kw.get("dropout_p", 0.0) != 0.0:
         raise NoMatch(f"SDPA {node} has dropout {kw['dropout_p']}")
-    if kw.get("attn_mask") is not None or kw.get("attn_bias") is not None:
-        raise NoMatch(f"SDPA {node} has an explicit mask")
     sq, sk = _shape(q), _shape(k)
-    if len(sq) != 4 or _shape(k)[:2] != sq[:2] or _shape(v)[:2] != sq[:2] or _shape(v)[-1] != sq[-1] \
-            or sq[-1] not in HEAD_DIMS:
-        raise NoMatch(f"SDPA {node} shapes q{sq} k{sk} v{_shape(v)} (grouped heads or head dim) not supported")
+    if len(sq) != 4 or len(sk) != 4 or _shape(v)[:-1] != sk[:-1] or sk[0] != sq[0] or sq[1] % sk[1] \
+            or _shape(v)[-1] != sq[-1] or sk[-1] != sq[-1] or sq[-1] not in HEAD_DIMS:
+        raise NoMatch(f"SDPA {node} shapes q{sq} k{sk} v{_shape(v)} (head dim or heads) not supported")
     causal = bool(kw.get("is_causal", False))
+    mask = kw.get("attn_mask", kw.get("attn_bias"))
+    if mask is not None:  # a causal mask: bool (True keeps) or additive (0 / -inf)
+        if causal or sq[-2] != sk[-2]:
+            raise NoMatch(f"SDPA {node} has a mask and is_causal, or Sq != Sk")
+        value = _mask_value(mask)
+        if isinstance(value, Piecewise) and isinstance(value.a, bool):
+            _is_causal_keep(value, True, mask, sq[-2], sk[-2])
+        else:
+            _causal_bias(mask, sq[-2], sk[-2])
+        causal = True
     if causal and sq[-2] != sk[-2]:
         raise NoMatch(f"SDPA {node} is causal with Sq != Sk")
     scale = kw.get("scale") or 1.0 / math.sqrt(sq[-1])
@@ -643,12 +661,37 @@ def _sdpa_plan(node):
     return dict(q=q, k=k, v=v, causal=causal, scale=float(scale), out=out, bwd=bwd, grads=grads)
 
 
+def _repeat_heads(graph, t, heads):
+    """[B, Hkv, S, D] -> [B, heads, S, D], each k/v head repeated for its group of query heads
+    (``enable_gqa``): the op takes one k/v head per query head."""
+    b, hkv, s, d = _shape(t)
+    t = insert_call(graph, aten.unsqueeze.default, (t, 2))
+    t = insert_call(graph, aten.expand.default, (t, [b, hkv, heads // hkv, s, d]))
+    t = insert_call(graph, aten.clone.default, (t,), {"memory_format": torch.contiguous_format})
+    return insert_call(graph, aten.view.default, (t, [b, heads, s, d]))
+
+
+def _sum_heads(graph, g, like):
+    """The grad of a repeated k/v head: the sum over its group."""
+    b, hkv, s, d = _shape(like)
+    g = insert_call(graph, aten.view.default, (g, [b, hkv, _shape(g)[1] // hkv, s, d]))
+    return insert_call(graph, aten.sum.dim_IntList, (g, [2]))
+
+
 def _sdpa_rewrite(graph, node, plan):
     bwd = plan["bwd"]
-    out, grads = _flash(graph, plan["q"], plan["k"], plan["v"], plan["causal"], plan["scale"],
+    heads = _shape(plan["q"])[1]
+    k, v = plan["k"], plan["v"]
+    if _shape(k)[1] != heads:
+        with graph.inserting_before(node):
+            k, v = _repeat_heads(graph, k, heads), _repeat_heads(graph, v, heads)
+    out, grads = _flash(graph, plan["q"], k, v, plan["causal"], plan["scale"],
                         bwd.args[0] if bwd is not None else None, node, bwd)
     if plan["out"] is not None:
         _replace(graph, plan["out"], out)
+    if grads is not None and k is not plan["k"]:
+        with graph.inserting_before(bwd):  # after the new backward
+            grads = (grads[0], _sum_heads(graph, grads[1], plan["k"]), _sum_heads(graph, grads[2], plan["v"]))
     for i, g in plan["grads"].items():
         if i < 3:
             _replace(graph, g, grads[i])
@@ -661,9 +704,6 @@ def _sdpa_rewrite(graph, node, plan):
 @register_pass(NAME, stage="joint")
 def replace_attention(graph: torch.fx.Graph) -> int:
     """Rewrite naive attention and SDPA (fwd and bwd together) into cstack.flash_attention_{fwd,bwd}."""
-    import os
-    if os.environ.get("ATTN_DUMP"):
-        print(graph)
     tangents = [n for n in graph.nodes if n.op == "placeholder" and n.name.startswith("tangents")]
     tangent_deps = reachable(tangents, lambda n: n.users)
     replaced, gone, tried = 0, set(), set()
