@@ -13,15 +13,19 @@ finds and proves the update:
    value reads only themselves and one unmutated input ``g``; ``p`` is a
    mutated input whose new value reads exactly ``p``, ``m``, ``v`` and that
    same ``g``; all four of one shape. Foreach ops are followed element by
-   element. A moment may also be *fresh*: a zero tensor the graph creates
-   (an optimizer creating its state lazily, at its first step), whose new
-   value the graph returns (Dynamo stores it into the state) rather than
-   copying it back; the fused call then updates that zero tensor in place and
-   the graph returns it. A chain may also read scalar inputs (SymInts, SymFloats, 0-d
+   element. A moment's new value may instead be *returned* by the graph
+   (Dynamo stores it into the optimizer's state): from a zero tensor the
+   graph creates (state made lazily, on the first step), or from an unmutated
+   input (``state['m'] = b1 * m + ...``, stored back out of place); of the two
+   tensors such a value reads, the moment is the one no other returned value
+   reads. The fused call then updates the zero tensor, or a clone of the
+   input (which keeps its value, as in eager), in place and the graph returns
+   that. A chain may also read scalar inputs (SymInts, SymFloats, 0-d
    tensors: the step, torch.optim's 0-d step tensor, an lr a scheduler
-   changes, a tensor lr) and constants, through whitelisted elementwise ops
-   and Python scalar arithmetic only. A scalar input that an exponent of a
-   power reads is a *step* input; any other is a *hyperparameter* input.
+   changes, a tensor lr), constants and 0-d constant tensors, through
+   whitelisted elementwise ops and Python scalar arithmetic only. A scalar
+   input that an exponent of a power reads is a *step* input; any other is a
+   *hyperparameter* input.
 2. Semantics, by identity testing: the chain is evaluated in float64 on
    probe values (special points that read off β₁, β₂, the decay 1 − lr·wd,
    the update's scale A and its eps term E; then random and tiny values) at

@@ -41,7 +41,9 @@ def test_torch_adamw_param_groups():
 
 
 def test_torch_adamw_tensor_lr():
-    run_case(model, make_optimizer=lambda ps: torch.optim.AdamW(ps, lr=torch.tensor(1e-2), weight_decay=0.1),
+    # (torch.optim refuses a tensor lr with foreach=True and capturable=False.)
+    run_case(model, make_optimizer=lambda ps: torch.optim.AdamW(ps, lr=torch.tensor(1e-2), weight_decay=0.1,
+                                                                foreach=False),
              expect={"adamw": 1})
 
 
@@ -54,8 +56,18 @@ SCHEDULERS = {
 
 @pytest.mark.parametrize("scheduler", SCHEDULERS)
 def test_torch_adamw_with_scheduler(scheduler):
-    run_case(model, make_optimizer=lambda ps: torch.optim.AdamW(ps, lr=1e-2, weight_decay=0.1),
+    # lr is a symbol from the first compile (compile_step): a new lr each step, one graph, fused.
+    run_case(model, make_optimizer=lambda ps: torch.optim.AdamW(ps, lr=1e-2, weight_decay=0.1, foreach=False),
              make_scheduler=SCHEDULERS[scheduler], expect={"adamw": 1})
+
+
+def test_torch_adamw_foreach_with_scheduler_recompiles_per_lr():
+    # The foreach form passes 1 - lr·wd to _foreach_mul_ as a Python scalar, which Dynamo cannot keep
+    # symbolic: it specializes lr (a guard), so each new lr compiles the step again, fused each time,
+    # up to Dynamo's recompile limit (then eager). (A tensor lr stays out of Python arithmetic; torch.optim
+    # takes one with foreach only when capturable, i.e. on a GPU: not checked here.)
+    run_case(model, make_optimizer=lambda ps: torch.optim.AdamW(ps, lr=1e-2, weight_decay=0.1, foreach=True),
+             make_scheduler=SCHEDULERS["cosine"], expect={"adamw": 3})
 
 
 def test_torch_adamw_with_clipping():
