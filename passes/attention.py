@@ -3,29 +3,51 @@
 Runs on AOTAutograd's joint forward+backward graph (or an inference graph),
 aten level, after Inductor's decompositions. Two families are recognised:
 
-1. Written-out attention: ``bmm(Q, Kᵀ)`` → optional scale (mul/div by a
-   number) and causal mask (``where``/``masked_fill``/added −inf triangle, in
-   any order, with dtype casts anywhere) → softmax over keys (``_softmax`` or
-   max/sub/exp/sum/div, as ``torch.softmax`` decomposes and as people write it
-   by hand) → ``bmm(P, V)``. The match is structural rather than one traced
-   pattern per idiom: idioms × dtypes × which inputs need grads would be
-   hundreds of traced joint patterns (~0.7 s each). The forward is walked
-   node by node against the tables below; the mask is evaluated symbolically
-   as a function of (query i, key j) and must be exactly ``j <= i``. The
-   backward is not matched op by op: autograd of ``bmm(A, B)`` with output
-   grad ``G`` always yields ``bmm(G, Bᵀ)`` and ``bmm(Aᵀ, G)``, so the grads of
-   the three bmm operands (the "exits") and the grad of the output are found
-   from the two bmms alone. Everything between (scores, softmax, its
-   backward: every S×S tensor) must feed nothing but the output bmm and the
-   exits, which is checked before anything changes, and dies with them.
-   The op works on the bmm operands themselves ([B·H, S, D]), so a scale
-   applied to Q (or K) beforehand stays in the graph and the op gets
-   scale 1 for it.
-2. ``F.scaled_dot_product_attention`` (its aten flash/efficient/cuDNN/CPU
-   kernels and their backward ops), without mask or dropout.
+1. Written-out attention: Q·Kᵀ (``bmm``, as ``@``/``matmul``/``einsum``/
+   einops lower to it, or ``baddbmm(mask, Q, Kᵀ)`` as nn.MultiheadAttention
+   writes it) → optional scale → optional causal mask → softmax over keys →
+   ``bmm(P, V)``, with dtype casts anywhere. The match is structural rather
+   than one traced pattern per idiom: idioms × dtypes × which inputs need
+   grads would be hundreds of traced joint patterns (~0.7 s each).
 
-Anything else that looks like a softmax over a Q·Kᵀ product is left alone
-with a ``note`` saying why.
+   - Scale: mul/div by a positive number, or by a tensor that evaluates to
+     one (``torch.sqrt(torch.tensor(d))``). A scale on Q (or K) beforehand,
+     learned or not, stays in the graph and the op gets 1 for it. A tensor
+     that is not a constant (a learned temperature on the scores) is left
+     alone with a note: its grad would need the scores.
+   - Mask: ``where``/``masked_fill`` with a fill at or below −1e4 (a number
+     or a constant tensor, either branch order) or an added 0/−inf bias, in
+     any order with the scale. The mask is evaluated symbolically as a
+     function of (query i, key j) from how the graph builds it (iota/arange
+     compared however broadcast: unsqueeze, None-indexing, view, expand;
+     ones/full with tril/triu; logical ops, casts, arithmetic; constant
+     tensors the graph holds, read as a diagonal split of the grid) and must
+     be exactly ``j <= i``. A mask from a graph input (a buffer such as
+     nanoGPT's ``bias``, or one made outside a repeated block) has values
+     unknown when compiling and is left alone with a note.
+   - Softmax: ``_softmax``, or exp/sum/div with or without the max subtracted.
+   - Layout: between the scores' ops and between P and the bmm, any chain of
+     views/permutes/unsqueezes whose composition keeps the element order (an
+     einsum's permute and its inverse), replayed on a meta tensor.
+
+   The backward is not matched op by op: autograd of ``bmm(A, B)`` with
+   output grad ``G`` always yields ``bmm(G, Bᵀ)`` and ``bmm(Aᵀ, G)``, so the
+   grads of the three bmm operands (the "exits") and the grad of the output
+   are found from the two products alone. Everything between (scores,
+   softmax, its backward: every S×S tensor) must feed nothing but the output
+   bmm and the exits, which is checked before anything changes, and dies
+   with them. The op works on the bmm operands themselves ([B·H, S, D]), so
+   grouped-query attention whose k/v heads were repeated
+   (``repeat_interleave``, ``expand`` + reshape) is matched as it is.
+2. ``F.scaled_dot_product_attention`` (its aten flash/efficient/cuDNN/CPU
+   kernels and their backward ops) without dropout: ``is_causal``, no mask,
+   or an ``attn_mask`` proven causal as above (bool: True keeps; float:
+   0/−inf); with fewer k/v heads (``enable_gqa``) they are repeated for the
+   op and their grads summed back over each group.
+
+Anything else that looks like a softmax over a Q·Kᵀ product (dropout on the
+weights, a non-causal or unknown mask, a learned temperature on the scores,
+unsupported head dims) is left alone with a ``note`` saying why.
 """
 import dataclasses
 import math

@@ -444,9 +444,10 @@ LEFT_ALONE = {
     # as an input: its values are unknown when compiling and nothing re-checks them at run time.
     "nanogpt_buffer": (lambda: LM(NanoGPT), "graph input"),
     "encoder_layer_mask": (EncoderLayerLM, "graph input"),
-    "temperature_on_scores": (lambda: LM(TemperatureOnScores), "attention"),
+    # Its grad would need the scores; multiplied into q instead (temperature_on_q) it is replaced.
+    "temperature_on_scores": (lambda: LM(TemperatureOnScores), "learned temperature"),
     "sliding_window": (lambda: LM(SlidingWindow), "not causal"),
-    "padding_mask": (PaddingMaskLM, "attention"),
+    "padding_mask": (PaddingMaskLM, "graph input"),  # depends on the tokens
 }
 
 
