@@ -65,7 +65,7 @@ from passes.registry import note, register_pass
 aten, prims = torch.ops.aten, torch.ops.prims
 NAME = "attention"
 
-# Ops that only reshape or alias a tensor; with `_keeps_order` they keep the flat element order.
+# Ops that only reshape or alias a tensor; `_chain_keeps_order` says when a run of them keeps the element order.
 LAYOUT_OPS = {
     aten.view.default, aten._unsafe_view.default, aten.reshape.default, aten.clone.default,
     aten.alias.default, aten.detach.default, aten.expand.default, aten.permute.default,
@@ -386,11 +386,6 @@ def _replay_keeps_order(chain, src) -> bool:
     expect = torch.empty(t.shape, device="meta").stride()
     return tuple(t.shape) == _shape(chain[-1]) and all(
         t.stride(d) == expect[d] for d in range(t.dim()) if t.shape[d] != 1)
-
-
-def _keeps_order(node) -> bool:
-    """A layout op that keeps the flat element order: no real broadcast, no reordering permute."""
-    return _chain_keeps_order([node])
 
 
 def _match_softmax(node):
