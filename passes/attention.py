@@ -12,9 +12,11 @@ aten level, after Inductor's decompositions. Two families are recognised:
 
    - Scale: mul/div by a positive number, or by a tensor that evaluates to
      one (``torch.sqrt(torch.tensor(d))``). A scale on Q (or K) beforehand,
-     learned or not, stays in the graph and the op gets 1 for it. A tensor
-     that is not a constant (a learned temperature on the scores) is left
-     alone with a note: its grad would need the scores.
+     learned or not, stays in the graph and the op gets 1 for it. A learned
+     one-element temperature on the scores is moved onto Q (s·QKᵀ =
+     (s·Q)Kᵀ): dQ = s·dQ', and the backward's sum giving its grad is
+     replaced by Σ dQ'⊙Q. Only before the mask: applied after it, a
+     negative value would flip the masked entries (left alone with a note).
    - Mask: ``where``/``masked_fill`` with a fill at or below −1e4 (a number
      or a constant tensor, either branch order) or an added 0/−inf bias, in
      any order with the scale. The mask is evaluated symbolically as a
@@ -46,8 +48,8 @@ aten level, after Inductor's decompositions. Two families are recognised:
    op and their grads summed back over each group.
 
 Anything else that looks like a softmax over a Q·Kᵀ product (dropout on the
-weights, a non-causal or unknown mask, a learned temperature on the scores,
-unsupported head dims) is left alone with a ``note`` saying why.
+weights, a non-causal or unknown mask, a learned scale after the mask or per
+head, unsupported head dims) is left alone with a ``note`` saying why.
 """
 import dataclasses
 import math
@@ -425,8 +427,8 @@ def _scale_of(node, scores):
     value = _mask_value(other[0]) if len(other) == 1 else None
     c = value.a if isinstance(value, Piecewise) and value.pred is None else None
     if isinstance(other[0] if other else None, torch.fx.Node) and c is None:
-        raise NoMatch(f"{node} scales the scores by a tensor {other[0]} that is not a constant (a learned "
-                      "temperature?); multiplying it into q instead lets the op take it")
+        raise NoMatch(f"{node} scales the scores by a tensor {other[0]} that is neither a constant nor one "
+                      "number (a learned temperature per head?)")
     if not isinstance(c, int | float) or isinstance(c, bool) or not math.isfinite(c) or c <= 0 \
             or (SCALE_OPS[node.target] and node.args[0] is not scores):
         raise NoMatch(f"{node} scales the scores by something other than a positive number")
@@ -453,7 +455,7 @@ def _is_scores(node, rows, cols) -> bool:
 def _walk_scores(x, rows: int, cols: int):
     """From the softmax input back to Q·Kᵀ (a bmm, or a baddbmm adding a causal mask):
     returns (product node, Q, Kᵀ, scale, is_causal)."""
-    scale, causal, node, chain = 1.0, False, x, []
+    scale, causal, node, chain, learned = 1.0, False, x, [], None
     while True:
         if not isinstance(node, torch.fx.Node) or node.op != "call_function":
             raise NoMatch(f"scores come from {node}, not from a Q·Kᵀ bmm")
@@ -472,9 +474,13 @@ def _walk_scores(x, rows: int, cols: int):
                 beta, alpha = node.kwargs.get("beta", 1), node.kwargs.get("alpha", 1)
                 if beta != 1 or causal or not isinstance(alpha, int | float) or alpha <= 0:
                     raise NoMatch(f"{node} adds beta={beta}·mask to alpha={alpha}·Q·Kᵀ")
+                if learned is not None and not learned[2]:
+                    raise NoMatch(f"{learned[0]} scales the scores by a tensor after the mask (its sign could flip it)")
                 _causal_bias(node.args[0], rows, cols)
-                return node, node.args[1], node.args[2], scale * alpha, True
-            return node, node.args[0], node.args[1], scale, causal
+                return node, node.args[1], node.args[2], scale * alpha, True, learned
+            if learned is not None and causal and not learned[2]:
+                raise NoMatch(f"{learned[0]} scales the scores by a tensor after the mask (its sign could flip it)")
+            return node, node.args[0], node.args[1], scale, causal, learned
         if not _is_scores(node, rows, cols):
             raise NoMatch(f"{node} has shape {_shape(node)}, expected [..., {rows}, {cols}]")
         if t in CONVERT_OPS:
@@ -483,7 +489,16 @@ def _walk_scores(x, rows: int, cols: int):
             scores = [a for a in node.args if _is_scores(a, rows, cols)]
             if len(scores) != 1:
                 raise NoMatch(f"{node} multiplies two [.., {rows}, {cols}] tensors")
-            scale, node = scale * _scale_of(node, scores[0]), scores[0]
+            other = [a for a in node.args if a is not scores[0]]
+            val = fake_value(other[0]) if len(other) == 1 else None
+            if learned is None and isinstance(val, torch.Tensor) and val.numel() == 1 and val.dtype.is_floating_point \
+                    and (node.target is aten.mul.Tensor or node.args[0] is scores[0]) \
+                    and not isinstance(_mask_value(other[0]), Piecewise):
+                # A learned temperature: moved onto q (s·QKᵀ = (s·Q)Kᵀ), its grad then Σ dq'⊙q.
+                learned = (other[0], node.target is aten.div.Tensor, causal)
+            else:
+                scale *= _scale_of(node, scores[0])
+            node = scores[0]
         elif t in (aten.where.self, aten.where.ScalarSelf, aten.where.ScalarOther) and not causal:
             cond, a, b = node.args
             if _is_fill(_mask_value(b)):
@@ -539,7 +554,7 @@ def _transpose_bmms(node, side: int):
 def _plan(softmax_node, x, tangent_deps):
     """Everything needed to rewrite one written-out attention; raises NoMatch."""
     rows, cols = _shape(x)[-2:]
-    qk, q, kt, scale, causal = _walk_scores(x, rows, cols)
+    qk, q, kt, scale, causal, learned = _walk_scores(x, rows, cols)
     pv = _find_pv(softmax_node, tangent_deps)
     v = pv.args[1]
     bh, d, dv = _shape(q)[0], _shape(q)[2], _shape(v)[2]
@@ -560,6 +575,9 @@ def _plan(softmax_node, x, tangent_deps):
         raise NoMatch("the backward of bmm(P, V) does not use one output grad")
     exits = {"dq": dq_mm[0] if dq_mm else None, "dk": dk_mm[0] if dk_mm else None, "dv": dv_mm[0] if dv_mm else None}
     region = reachable([qk], lambda n: n.users, {pv, *filter(None, exits.values())})
+    dlearned = _learned_scale_grad(region, learned) if learned is not None else None
+    if dlearned is not None:
+        region = reachable([qk], lambda n: n.users, {pv, dlearned, *filter(None, exits.values())})
     if any(n.op == "output" or n.is_impure() for n in region):
         raise NoMatch("the scores or weights are used beyond attention (returned, or backward not recognised)")
     grad = next(iter(grads), None)
@@ -570,7 +588,23 @@ def _plan(softmax_node, x, tangent_deps):
             raise NoMatch(f"{exits[key]} is not the grad of the scores")
     if any(exits.values()) and grad is None:
         raise NoMatch("grads of q/k flow but the output grad was not found")
-    return dict(q=q, kt=kt, v=v, pv=pv, grad=grad, causal=causal, scale=scale, **exits)
+    return dict(q=q, kt=kt, v=v, pv=pv, grad=grad, causal=causal, scale=scale, learned=learned,
+                dlearned=dlearned, **exits)
+
+
+def _learned_scale_grad(region, learned):
+    """The backward node giving the grad of a learned scalar scale of the scores: the first
+    one-element tensor computed from the scores (the sum of grad ⊙ scores); None if no grad flows."""
+    small = [n for n in region if n.op == "call_function" and isinstance(fake_value(n), torch.Tensor)
+             and fake_value(n).numel() == 1]
+    if not small:
+        return None
+    order = {n: i for i, n in enumerate(next(iter(region)).graph.nodes)}
+    first = min(small, key=order.__getitem__)
+    if first.target not in (aten.sum.default, aten.sum.dim_IntList) \
+            or not set(small) <= reachable([first], lambda n: n.users):
+        raise NoMatch(f"the grad of the learned scale {learned[0]} is not one sum over the scores")
+    return first
 
 
 def _replace(graph, old, new) -> None:
@@ -618,13 +652,30 @@ def _rewrite(graph, plan, order):
     kt = plan["kt"]
     with graph.inserting_before(plan["pv"]):
         k = insert_call(graph, aten.permute.default, (kt, [0, 2, 1]))
-    exits = [e for e in (plan["dq"], plan["dk"], plan["dv"]) if e is not None]
+    q, learned, dlearned = plan["q"], plan["learned"], plan["dlearned"]
+    if learned is not None:  # q' = q·s (or q / s): the op sees the scaled q
+        with graph.inserting_before(plan["pv"]):
+            s0 = insert_call(graph, aten.view.default, (learned[0], []))
+            s0 = insert_call(graph, prims.convert_element_type.default, (s0, fake_value(q).dtype))
+            q = insert_call(graph, aten.div.Tensor if learned[1] else aten.mul.Tensor, (plan["q"], s0))
+    exits = [e for e in (plan["dq"], plan["dk"], plan["dv"], dlearned) if e is not None]
     first = min(exits, key=order.__getitem__) if exits else None
-    out, grads = _flash(graph, plan["q"], k, plan["v"], plan["causal"], plan["scale"],
+    out, grads = _flash(graph, q, k, plan["v"], plan["causal"], plan["scale"],
                         plan["grad"] if exits else None, plan["pv"], first)
     _replace(graph, plan["pv"], out)
     if grads is not None:
         dq, dk, dv = grads
+        if learned is not None:
+            with graph.inserting_before(first):
+                if dlearned is not None:  # d(q·s)/ds = q; d(q/s)/ds = -q'/s
+                    ds = insert_call(graph, aten.mul.Tensor, (dq, q if learned[1] else plan["q"]))
+                    ds = insert_call(graph, aten.sum.default, (ds,), {"dtype": fake_value(dlearned).dtype})
+                    if learned[1]:
+                        ds = insert_call(graph, aten.div.Tensor, (insert_call(graph, aten.neg.default, (ds,)), s0))
+                    ds = insert_call(graph, aten.view.default, (ds, list(_shape(dlearned))))
+                    _replace(graph, dlearned, insert_call(
+                        graph, prims.convert_element_type.default, (ds, fake_value(dlearned).dtype)))
+                dq = insert_call(graph, aten.div.Tensor if learned[1] else aten.mul.Tensor, (dq, s0))
         if plan["dq"] is not None:
             _replace(graph, plan["dq"], dq)
         if plan["dk"] is not None:

@@ -334,6 +334,36 @@ class EncoderLayerLM(nn.Module):
         return self.head(self.encoder(x, mask=mask, is_causal=self.is_causal))
 
 
+class TemperatureOnScores(QKV):
+    """A learned temperature multiplying the scores (the pass moves it onto q; its grad is kept)."""
+
+    def __init__(self, d, h):
+        super().__init__(d, h)
+        self.logit_scale = nn.Parameter(torch.tensor(0.25))
+
+    def forward(self, x):
+        T = x.shape[1]
+        q, k, v = self.split(x)
+        att = (q @ k.transpose(-2, -1)) * self.logit_scale
+        att = att.masked_fill(torch.tril(torch.ones(T, T)) == 0, float("-inf"))
+        return self.merge(F.softmax(att, dim=-1) @ v)
+
+
+class TemperatureDividesScores(QKV):
+    """A learned temperature dividing the scores before the mask, mask added as a float bias."""
+
+    def __init__(self, d, h):
+        super().__init__(d, h)
+        self.tau = nn.Parameter(torch.ones(1) * 3.0)
+
+    def forward(self, x):
+        T = x.shape[1]
+        q, k, v = self.split(x)
+        att = torch.matmul(q, k.transpose(-2, -1)) / self.tau
+        att = att + nn.Transformer.generate_square_subsequent_mask(T)
+        return self.merge(att.softmax(-1) @ v)
+
+
 class UpcastSoftmax(QKV):
     """Softmax in fp32, cast back to the activations' dtype."""
 
@@ -356,6 +386,8 @@ REPLACED = {
     "large_negative_no_max": LargeNegativeNoMax,
     "expanded_mask_tensor_fill": ExpandedMaskTensorFill,
     "temperature_on_q": TemperatureOnQ,
+    "temperature_on_scores": TemperatureOnScores,
+    "temperature_divides_scores": TemperatureDividesScores,
     "no_mask": NoMask,
     "gqa_repeat_interleave": GQARepeatInterleave,
     "gqa_expand": GQAExpand,
@@ -383,18 +415,18 @@ def test_encoder_layer_is_causal():
 # --------------------------------------------------------------------------- left alone, with a note
 
 
-class TemperatureOnScores(QKV):
-    """A learned temperature multiplying the scores."""
+class TemperatureAfterMask(QKV):
+    """A learned temperature dividing the already-masked scores: were it negative, the masked
+    entries would win, so the pass cannot assume the causal mask survives it."""
 
     def __init__(self, d, h):
         super().__init__(d, h)
-        self.logit_scale = nn.Parameter(torch.tensor(0.25))
+        self.tau = nn.Parameter(torch.tensor(4.0))
 
     def forward(self, x):
         T = x.shape[1]
         q, k, v = self.split(x)
-        att = (q @ k.transpose(-2, -1)) * self.logit_scale
-        att = att.masked_fill(torch.tril(torch.ones(T, T)) == 0, float("-inf"))
+        att = (q @ k.transpose(-2, -1)).masked_fill(torch.tril(torch.ones(T, T)) == 0, -1e9) / self.tau
         return self.merge(F.softmax(att, dim=-1) @ v)
 
 
@@ -438,8 +470,7 @@ LEFT_ALONE = {
     # as an input: its values are unknown when compiling and nothing re-checks them at run time.
     "nanogpt_buffer": (lambda: LM(NanoGPT), "graph input"),
     "encoder_layer_mask": (EncoderLayerLM, "graph input"),
-    # Its grad would need the scores; multiplied into q instead (temperature_on_q) it is replaced.
-    "temperature_on_scores": (lambda: LM(TemperatureOnScores), "learned temperature"),
+    "temperature_after_mask": (lambda: LM(TemperatureAfterMask), "after the mask"),
     "sliding_window": (lambda: LM(SlidingWindow), "not causal"),
     "padding_mask": (PaddingMaskLM, "graph input"),  # depends on the tokens
 }
