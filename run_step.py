@@ -288,6 +288,7 @@ def run(args) -> dict:
         torch.distributed.barrier()  # rank 0 has emptied the shared caches
     log(f"compile caches: {settings.default_cache_dir()}{' (emptied)' if args.fresh_cache else ''}")
     passes = args.passes.split(",") if args.passes else None
+    registry.REPORT.clear()  # this run's replacements only
     pass_names = [p.name for p in registry.resolve(passes)]
 
     log("building the model...")

@@ -43,9 +43,14 @@ class PassBackend:
         name: str = "graph",
         codegen: bool = True,
         outline_blocks: bool = False,
+        backward_now: bool = True,
     ):
         self.pass_list = registry.resolve(passes)
         self.outline_blocks = outline_blocks
+        # True: compile each backward with its forward, so our passes and settings apply to it
+        # without the caller holding ``active()`` open. False: at the first backward(), which must
+        # then run inside ``active()`` (compile_step's call does).
+        self.backward_now = backward_now
         self.memory_budget = memory_budget
         self.name = name
         self.codegen = codegen
@@ -85,10 +90,9 @@ class PassBackend:
         runs_before, counts_before = Counter(report.runs), Counter(report.replacements)
         if self.writer:
             self.writer.begin_graph(graph_name, gm)
-        # The backward is compiled now rather than at the first backward(), so our passes and
-        # settings are in force for it without the caller keeping a context open, and its code
-        # is filed under this graph when inspecting.
-        backward_now = torch._functorch.config.patch(force_non_lazy_backward_lowering=True)
+        # Inspecting: the backward's code is filed under this graph only if compiled now.
+        backward_now = torch._functorch.config.patch(
+            force_non_lazy_backward_lowering=self.backward_now or self.writer is not None)
         compile_graph = compile_fx if self.codegen else self._compile_without_codegen
         with self.active(), backward_now:
             if graph_returns_tuple(gm):

@@ -45,13 +45,15 @@ class StepOptions:
     cache_dir: Path | None = None
     codegen: bool = True  # False: run our passes' aten graphs as they are (tests, debugging)
     blocks: bool = True  # compile repeated blocks once for all of them (blocks.py)
+    # Compile each backward with its forward rather than at the first backward().
+    backward_now: bool = False
 
 
 def compile_backends(options: StepOptions, inspect: bool = True) -> tuple[PassBackend, PassBackend]:
     """The model's and the optimizer's backends, writing to one inspection directory (if any)."""
     writer = InspectionWriter(options.inspect_dir) if options.inspect_dir and inspect else None
     model = PassBackend(options.passes, writer, options.memory_budget, name="model", codegen=options.codegen,
-                        outline_blocks=options.blocks)
+                        outline_blocks=options.blocks, backward_now=options.backward_now)
     optimizer = PassBackend(options.passes, writer, options.memory_budget, name="optimizer", codegen=options.codegen)
     return model, optimizer
 
@@ -186,6 +188,7 @@ class CompiledOptimizerStep:
         self.compiled = (torch._dynamo.disable(self.original) if stores
                          else torch.compile(self.original, backend=backend))
         self.call = torch._dynamo.disable(self._run, recursive=False)
+        self.zero_grad = torch._dynamo.disable(optimizer.zero_grad)
 
     def _run(self, *args, **kwargs):
         sources = step_counter_sources(self.optimizer)
@@ -218,6 +221,9 @@ class CompiledOptimizerStep:
         from torch._dynamo import pgo
         from torch._dynamo.variables import builder
 
+        if not hasattr(builder, "process_automatic_dynamic"):  # a torch without it: floats as Dynamo decides
+            yield
+            return
         patterns = [re.compile(s) for s in sources.split(",") if s]
         own = re.compile(cls.SELF_SOURCE + r"[.\[]")
         original = builder.process_automatic_dynamic
@@ -237,17 +243,27 @@ class CompiledOptimizerStep:
 
     @contextlib.contextmanager
     def routed(self):
-        """While active, ``optimizer.step`` runs the compiled update."""
-        had_own = "step" in vars(self.optimizer)
-        own = vars(self.optimizer).get("step")
-        self.optimizer.step = self.call
-        try:
+        """While active, ``optimizer.step`` runs the compiled update and ``optimizer.zero_grad``
+        runs eagerly, as a graph break: traced, its ``p.grad = None`` would be applied only after
+        the forward graph ran, keeping last step's gradients alive through the forward."""
+        with (_routed(self.optimizer, "step", self.call),
+              _routed(self.optimizer, "zero_grad", self.zero_grad)):
             yield
-        finally:
-            if had_own:
-                self.optimizer.step = own
-            else:
-                del self.optimizer.step
+
+
+@contextlib.contextmanager
+def _routed(obj, name: str, replacement):
+    """``obj.name`` is ``replacement`` while active (an instance attribute), then as it was."""
+    had_own = name in vars(obj)
+    own = vars(obj).get(name)
+    setattr(obj, name, replacement)
+    try:
+        yield
+    finally:
+        if had_own:
+            setattr(obj, name, own)
+        else:
+            delattr(obj, name)
 
 
 class CompiledStep:
@@ -267,6 +283,7 @@ class CompiledStep:
 
     def __call__(self, *args, **kwargs):
         with contextlib.ExitStack() as stack:
+            stack.enter_context(self.backend.active())  # the backward may be compiled in this call
             for opt_step in self.optimizer_steps:
                 stack.enter_context(opt_step.routed())
             return self.compiled(*args, **kwargs)
