@@ -530,7 +530,7 @@ def test_dropout_left_alone(attn):
     assert any("attention" in n and "dropout" in n for n in notes), notes
 
 
-@pytest.mark.parametrize("attn", [UpcastSoftmax, SdpaCausal],
+@pytest.mark.parametrize("attn", [UpcastSoftmax, TemperatureOnScores, SdpaCausal],
                          ids=lambda a: a.__name__)
 def test_bf16_counts(attn):
     counts, notes = compiled_counts(lambda: LM(attn), torch.bfloat16)
