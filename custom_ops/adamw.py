@@ -26,6 +26,22 @@ the Python-number hyperparameters (finite, in range). lr and step values:
     ``torch._assert_async`` was not used: a failed device assert kills the CUDA
     context (the process's GPU state is lost) and its message names nothing.
 
+Bad targets of the fused cross-entropy (custom_ops/linear_cross_entropy.py): that
+op leaves NaN gradients and sets its per-device flag (``targets_flag(device)``)
+for a target outside [0, V); the update must not run on them. The op reads that
+flag on the params' device and, while it is set, skips the whole update (no
+tensor changes):
+  - on the CPU path it reads the flag on the host and raises ValueError naming
+    ``targets`` before any update (and clears the flag: reported once);
+  - on the CUDA path (and the Triton kernel under the interpreter) the kernel
+    reads it from device memory, no host sync: every program skips, and program 0
+    ORs REFUSED_TARGETS into the error flag above, raised like a bad lr/step (at
+    the next call, or by ``raise_if_refused()``) as a ValueError naming
+    ``targets``; raising it clears the cross-entropy flag too. A
+    ``check_targets_flag()`` that raises first clears REFUSED_TARGETS here
+    (``forget_refused_targets``). The flag stays set until one of them raises, so
+    every update in between is skipped.
+
 Semantics (REFERENCE.md §2), step t = ``step`` (already incremented):
   reference (default):  p ← p − lr·wd·p;  m ← β₁m + (1−β₁)g;  v ← β₂v + (1−β₂)g²;
                         p ← p − lr·√(1−β₂ᵗ)/(1−β₁ᵗ) · m / (√v + eps)
@@ -41,6 +57,7 @@ import torch
 import triton
 import triton.language as tl
 
+from custom_ops import linear_cross_entropy
 from custom_ops.checks import FLOAT_DTYPES, check_tensor, require, runs_triton
 
 # Elements and warps per program: 8 elements a thread (one 16-byte bf16 vector
@@ -52,9 +69,13 @@ NUM_WARPS = 8
 # Plans kept: a training loop alternates between very few pointer sets.
 _CACHE_SIZE = 8
 
-# Bits of the per-device error flag the kernel sets when it refuses lr / step.
+# Bits of the per-device error flag the kernel sets when it refuses lr / step, or skips the update
+# because the fused cross-entropy flagged a bad target (module docstring).
 REFUSED_LR = tl.constexpr(1)
 REFUSED_STEP = tl.constexpr(2)
+REFUSED_TARGETS = tl.constexpr(4)
+TARGETS_MESSAGE = ("targets: expected values in [0, V) or ignore_index; the fused cross-entropy saw an "
+                   "out-of-range target (its gradients are NaN)")
 
 _TL_DTYPES = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
 
@@ -99,7 +120,7 @@ def _update_block(p_ptr, g_ptr, m_ptr, v_ptr, offs, numel, lr, t, beta1, beta2, 
 
 @triton.jit
 def _adamw_kernel(
-    table_ptr, block_tensor_ptr, lr_ptr, step_ptr, flag_ptr,
+    table_ptr, block_tensor_ptr, lr_ptr, step_ptr, flag_ptr, targets_flag_ptr,
     beta1, beta2, one_minus_beta1, one_minus_beta2, log_beta1, log_beta2, eps, weight_decay,
     P_DTYPE: tl.constexpr, G_DTYPE: tl.constexpr, M_DTYPE: tl.constexpr, V_DTYPE: tl.constexpr,
     TORCH_SEMANTICS: tl.constexpr, BLOCK: tl.constexpr,
@@ -110,8 +131,9 @@ def _adamw_kernel(
     1 − β and ln β come from the host in float64: 1 − β computed in fp32 from an fp32 β
     is off by up to 1.3e-5 (β₂ = 0.999) and flips the rounding of ~1% of bf16 moments.
     An lr that is not finite and >= 0, or a step that is not finite and >= 1, turns every
-    update into NaN/Inf: then no program updates anything and program 0 ORs REFUSED_LR /
-    REFUSED_STEP into the flag.
+    update into NaN/Inf, and so do the gradients of a step whose cross-entropy set its
+    bad-target flag (targets_flag_ptr nonzero): then no program updates anything and program 0
+    ORs REFUSED_LR / REFUSED_STEP / REFUSED_TARGETS into the flag.
     """
     pid = tl.program_id(0)
     row = table_ptr + tl.load(block_tensor_ptr + pid).to(tl.int64) * 6
@@ -128,7 +150,8 @@ def _adamw_kernel(
     # NaN fails both comparisons of each pair.
     lr_ok = (lr >= 0) & (lr < float("inf"))
     t_ok = (t >= 1) & (t < float("inf"))
-    if lr_ok & t_ok:
+    targets_ok = tl.load(targets_flag_ptr) == 0
+    if lr_ok & t_ok & targets_ok:
         if start + BLOCK <= numel:
             _update_block(p_ptr, g_ptr, m_ptr, v_ptr, offs, numel, lr, t, beta1, beta2, one_minus_beta1,
                           one_minus_beta2, log_beta1, log_beta2, eps, weight_decay, TORCH_SEMANTICS, MASKED=False)
@@ -136,7 +159,8 @@ def _adamw_kernel(
             _update_block(p_ptr, g_ptr, m_ptr, v_ptr, offs, numel, lr, t, beta1, beta2, one_minus_beta1,
                           one_minus_beta2, log_beta1, log_beta2, eps, weight_decay, TORCH_SEMANTICS, MASKED=True)
     elif pid == 0:
-        code = tl.where(lr_ok, 0, REFUSED_LR) | tl.where(t_ok, 0, REFUSED_STEP)
+        code = tl.where(lr_ok, 0, REFUSED_LR) | tl.where(t_ok, 0, REFUSED_STEP) \
+            | tl.where(targets_ok, 0, REFUSED_TARGETS)
         tl.atomic_or(flag_ptr, code)
 
 
@@ -240,10 +264,12 @@ _plans: "OrderedDict[tuple, list]" = OrderedDict()
 
 
 class _Refusals:
-    """A device's error flag (int32, bits REFUSED_LR / REFUSED_STEP, set by the kernel, cleared when
-    raised) and, on CUDA, its pinned host copy and the event that says the copy has landed."""
+    """A device's error flag (int32, bits REFUSED_LR / REFUSED_STEP / REFUSED_TARGETS, set by the
+    kernel, cleared when raised) and, on CUDA, its pinned host copy and the event that says the copy
+    has landed."""
 
     def __init__(self, device: torch.device):
+        self.device = device
         self.flag = torch.zeros(1, dtype=torch.int32, device=device)
         cuda = device.type == "cuda"
         self.host = torch.zeros(1, dtype=torch.int32, pin_memory=True) if cuda else None
@@ -257,10 +283,21 @@ class _Refusals:
                 self.host.zero_()
             self.pending = False
             args = [a for a, bit in (("lr", REFUSED_LR.value), ("step", REFUSED_STEP.value)) if code & bit]
-            raise ValueError(
-                f"{' and '.join(args)}: expected lr finite and >= 0 and step finite and >= 1, got a tensor "
-                f"value outside that (read on the device by fused_adamw_, which skipped that update: "
-                f"no tensor changed)")
+            messages = []
+            if code & REFUSED_TARGETS.value:
+                linear_cross_entropy.clear_targets_flag(self.device)  # reported here, once
+                messages.append(TARGETS_MESSAGE)
+            if args:
+                messages.append(f"{' and '.join(args)}: expected lr finite and >= 0 and step finite and >= 1, "
+                                f"got a tensor value outside that")
+            raise ValueError(f"{'; '.join(messages)} (read on the device by fused_adamw_, which skipped that "
+                             f"update: no tensor changed)")
+
+    def forget_targets(self) -> None:
+        """Clear REFUSED_TARGETS: check_targets_flag() reported that target (it synced: the copy landed)."""
+        self.flag.bitwise_and_(~REFUSED_TARGETS.value)
+        if self.host is not None:
+            self.host.bitwise_and_(~REFUSED_TARGETS.value)
 
 
 _refusals: dict = {}
@@ -283,6 +320,21 @@ def raise_if_refused(device: torch.device | str | None = None) -> None:
     for dev, state in list(_refusals.items()):
         if device is None or dev == device:
             state.raise_if_set(int(state.flag.item()))
+
+
+def forget_refused_targets() -> None:
+    """Called by linear_cross_entropy.check_targets_flag() once it raised for a bad target, so that
+    the refusal this op recorded for the same target is not raised a second time."""
+    for state in _refusals.values():
+        state.forget_targets()
+
+
+def _raise_if_bad_targets(device: torch.device) -> None:
+    """The CPU path: the cross-entropy's flag read on the host; raise (and clear it) before any update."""
+    flag = linear_cross_entropy._bad_target_flags.get(device)
+    if flag is not None and flag.item():
+        flag.zero_()
+        raise ValueError(f"{TARGETS_MESSAGE} (fused_adamw_ skipped this update: no tensor changed)")
 
 
 def _plan_key(lists, block):
@@ -330,11 +382,12 @@ def _triton_step(params, grads, exp_avgs, exp_avg_sqs, lr, step, beta1, beta2, e
         refusals.pending = False
         refusals.raise_if_set(int(refusals.host[0]))
     lr, step = lr.to(device, non_blocking=True), step.to(device, non_blocking=True)
+    targets_flag = linear_cross_entropy.targets_flag(device)
     log_beta1 = math.log(beta1) if beta1 > 0 else -math.inf
     log_beta2 = math.log(beta2) if beta2 > 0 else -math.inf
     for (pd, gd, md, vd), table, block_tensor in plan:
         _adamw_kernel[(block_tensor.numel(),)](
-            table, block_tensor, lr, step, refusals.flag, beta1, beta2, 1 - beta1, 1 - beta2, log_beta1, log_beta2,
+            table, block_tensor, lr, step, refusals.flag, targets_flag, beta1, beta2, 1 - beta1, 1 - beta2, log_beta1, log_beta2,
             eps, weight_decay, P_DTYPE=pd, G_DTYPE=gd, M_DTYPE=md, V_DTYPE=vd, TORCH_SEMANTICS=torch_semantics,
             BLOCK=block, num_warps=num_warps,
         )
@@ -351,6 +404,8 @@ def _adamw_torch(params, grads, exp_avgs, exp_avg_sqs, lr, step, beta1, beta2, e
     """Plain torch, per tensor, fp32 math: the CPU implementation."""
     lr, t = lr.item(), step.item()
     _check_values(lr, t)  # no sync to avoid on the CPU
+    if params:
+        _raise_if_bad_targets(params[0].device)
     bc1, bc2 = 1 - beta1**t, 1 - beta2**t
     for p, g, m, v in zip(params, grads, exp_avgs, exp_avg_sqs):
         p32, g32, m32, v32 = (x.to(torch.float32, copy=True) for x in (p, g, m, v))
@@ -378,6 +433,8 @@ def fused_adamw_(
     Every check runs before any tensor changes (ValueError naming the argument). lr and step
     device tensors are checked by the kernel without a host sync: a bad value skips the whole
     update and is raised at the next call, or by ``raise_if_refused()`` (module docstring).
+    While the fused cross-entropy's bad-target flag is set on the params' device the update is
+    skipped too, and a ValueError naming ``targets`` raised the same way (at once on the CPU).
     """
     _check_scalars(params, lr, step, beta1, beta2, eps, weight_decay)
     require(not params or runs_triton(params[0]), "params[0]", "a CUDA tensor (some argument is on CUDA)",

@@ -25,11 +25,18 @@ Ops:
 
 Bad targets: a target outside [0, V) that is not ``ignore_index`` makes its row's
 loss (and so the returned loss) and its gradient row NaN, and sets a device-side
-int32 flag owned by this module; nothing syncs with the host. Call
-``check_targets_flag()`` where a sync happens anyway (after ``loss.item()``): it
-raises ValueError if any call since the last check saw such a target, and resets
-the flag.
+int32 flag owned by this module (one per device, ``targets_flag(device)``: 0, or
+nonzero once a call saw such a target); nothing syncs with the host. While the
+flag is set, ``cstack::fused_adamw_`` (custom_ops/adamw.py) on that device skips
+its whole update, so NaN gradients never reach the parameters or the moments:
+on the CPU it raises the ValueError (naming ``targets``) before any update; on
+CUDA its kernel reads the flag and reports the refusal as it does a bad lr/step.
+Call ``check_targets_flag()`` where a sync happens anyway (after ``loss.item()``):
+it raises ValueError if any call since the last check saw such a target, and
+resets the flag. A bad target is reported once: whichever of the two raises
+first clears the record the other keeps of it.
 """
+import sys
 import contextlib
 
 import torch
@@ -66,23 +73,38 @@ def chunk_tokens(n: int):
         _chunk_tokens_override = saved
 
 
-def _bad_target_flag(device: torch.device) -> torch.Tensor:
+def targets_flag(device: torch.device | str) -> torch.Tensor:
+    """The device's bad-target flag (int32 [1], made on first use): nonzero once a call saw a
+    target outside [0, V) that is not ignore_index, until a check clears it. fused_adamw_ reads it."""
+    device = torch.device(device)
     flag = _bad_target_flags.get(device)
     if flag is None:
         flag = _bad_target_flags[device] = torch.zeros(1, dtype=torch.int32, device=device)
     return flag
 
 
+
+def clear_targets_flag(device: torch.device | str) -> None:
+    """Reset the device's flag (no read, no sync): fused_adamw_ has reported what it recorded."""
+    flag = _bad_target_flags.get(torch.device(device))
+    if flag is not None:
+        flag.zero_()
+
+
 def check_targets_flag() -> None:
     """Raise ValueError if a call since the last check saw a bad target; reset the flags.
 
-    Reads device memory (a host sync): call it where the step syncs anyway.
+    Reads device memory (a host sync): call it where the step syncs anyway. A refusal that
+    fused_adamw_ recorded for the same target is cleared too (it is reported here, once).
     """
     seen = False
     for flag in _bad_target_flags.values():
         seen = bool(flag.item()) or seen
         flag.zero_()
     if seen:
+        adamw = sys.modules.get("custom_ops.adamw")
+        if adamw is not None:
+            adamw.forget_refused_targets()
         raise ValueError(
             "targets: expected values in [0, V) or ignore_index; an out-of-range target "
             "was seen since the last check (its rows' loss and gradient are NaN)"
@@ -204,7 +226,7 @@ def fwd_chunked(hidden, weight, targets, ignore_index: int, reduction: str, rows
     loss_rows = torch.empty(T, dtype=torch.float32, device=hidden.device)
     grad_hidden = hidden.new_empty(hidden.shape)
     grad_weight = weight.new_zeros(weight.shape)
-    flag = _bad_target_flag(hidden.device)
+    flag = targets_flag(hidden.device)
     n = chunk_tokens_for(T, V, hidden.element_size())
     buf = hidden.new_empty((min(n, T), V))
     for start in range(0, T, n):

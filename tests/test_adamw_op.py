@@ -357,6 +357,55 @@ def test_raise_if_refused_reads_the_flag():
     adamw.raise_if_refused()
 
 
+# --------------------------------------------------------------------------- bad targets of the fused loss
+
+def flag_bad_target(device):
+    """What the fused cross-entropy leaves after a batch with a target >= V: its flag set."""
+    from custom_ops.linear_cross_entropy import linear_cross_entropy
+
+    hidden, weight = torch.randn(4, 8, device=device), torch.randn(11, 8, device=device)
+    targets = torch.tensor([0, 11, 3, -100], device=device)
+    assert torch.isnan(linear_cross_entropy(hidden, weight, targets))
+
+
+@pytest.mark.parametrize("path", ["cpu_op", "triton"])
+def test_bad_targets_skip_the_update_and_raise(path):
+    """While the fused cross-entropy's bad-target flag is set the update is skipped whole (its gradients
+    are NaN) and a ValueError names targets: at once on the CPU and under the interpreter, raised once."""
+    from custom_ops.linear_cross_entropy import check_targets_flag
+
+    device = "cuda" if path == "triton" and HAS_CUDA else "cpu"
+    state = make_state([(37,), (5, 13)], DTYPES["fp32"], device)
+    before = [[x.clone() for x in seq] for seq in state]
+    step_fn = op_step if path == "cpu_op" else triton_step
+    kw = dict(lr=0.01, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.1, torch_semantics=False)
+    flag_bad_target(device)
+    with pytest.raises(ValueError, match=r"^targets: expected values in \[0, V\) or ignore_index"):
+        step_fn(*state, t=1, **kw)
+        adamw.raise_if_refused(device)
+    for seq, old in zip(state, before):
+        assert all(torch.equal(t, o) for t, o in zip(seq, old))
+    check_targets_flag()  # reported once: the cross-entropy's flag was cleared with it
+    adamw.raise_if_refused(device)
+    step_fn(*state, t=1, **kw)
+    assert not torch.equal(state[0][0], before[0][0])
+
+
+@pytest.mark.skipif(HAS_CUDA, reason="the interpreter's flag is read at once (CUDA: test_gpu_bad_targets...)")
+def test_check_targets_flag_clears_the_refusal_it_reports():
+    """A refusal the kernel recorded for a bad target, reported by check_targets_flag() first, is not
+    raised again by the next update."""
+    from custom_ops.linear_cross_entropy import check_targets_flag
+
+    adamw._refusals_for(torch.device("cpu")).flag.fill_(adamw.REFUSED_TARGETS.value | adamw.REFUSED_STEP.value)
+    flag_bad_target("cpu")
+    with pytest.raises(ValueError, match="^targets:"):
+        check_targets_flag()
+    with pytest.raises(ValueError, match="^step:"):  # the other refusal stays
+        adamw.raise_if_refused()
+    adamw.raise_if_refused()
+
+
 @pytest.mark.parametrize("torch_semantics", [False, True])
 @pytest.mark.gpu
 @pytest.mark.skipif(not HAS_CUDA, reason="needs CUDA")
@@ -430,6 +479,35 @@ def test_gpu_refused_step_raises_at_the_next_call():
     adamw.raise_if_refused()
     with pytest.raises(ValueError, match=r"step: expected a finite step number >= 1, got 0.0"):
         fused_adamw(*state, lr=1e-3, step=torch.tensor(0.0))  # a CPU step: read on the host
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_CUDA, reason="needs CUDA")
+def test_gpu_bad_targets_skip_the_update_without_a_sync():
+    """On CUDA the kernel reads the cross-entropy's flag: it skips the update, and the refusal is raised
+    at the next call once its copy has landed, or by check_targets_flag() (then only once)."""
+    from custom_ops.linear_cross_entropy import check_targets_flag
+
+    state = make_state([(4096,), (333, 77)], DTYPES["bf16"], "cuda")
+    before = [[x.clone() for x in seq] for seq in state]
+    lr, step = torch.tensor(1e-3, device="cuda"), torch.tensor(1.0, device="cuda")
+    flag_bad_target("cuda")
+    fused_adamw(*state, lr=lr, step=step)  # skipped on the device: no error yet
+    torch.cuda.synchronize()
+    for seq, old in zip(state, before):
+        assert all(torch.equal(t, o) for t, o in zip(seq, old))
+    with pytest.raises(ValueError, match="^targets: expected"):
+        fused_adamw(*state, lr=lr, step=step)
+    check_targets_flag()  # cleared with the refusal
+    flag_bad_target("cuda")
+    fused_adamw(*state, lr=lr, step=step)
+    with pytest.raises(ValueError, match="^targets: expected"):
+        check_targets_flag()
+    adamw.raise_if_refused()  # reported once
+    fused_adamw(*state, lr=lr, step=step)
+    adamw.raise_if_refused()
+    torch.cuda.synchronize()
+    assert not torch.equal(state[0][0], before[0][0])
 
 
 @pytest.mark.gpu
