@@ -28,6 +28,8 @@ from compile_stack import distributed, memory, settings
 from compile_stack.config import H200_PEAK_BF16_FLOPS, PRESET_ORDER, PRESETS, ModelConfig
 from compile_stack.reference import AdamW, build_model, cross_entropy
 from compile_stack.step import StepOptions
+from custom_ops import adamw as adamw_op
+from custom_ops import linear_cross_entropy as lce_op
 from passes import registry
 
 # Read at CUDA's first allocation: a step that plans to fill ~120 GiB cannot afford fragmentation.
@@ -189,6 +191,7 @@ class FirstCallTimer:
         loss = self.step(*batch)
         loss.detach().item()  # synchronizes
         self.first_s = time.perf_counter() - t0
+        _raise_on_bad_targets()
         return loss
 
 
@@ -207,6 +210,7 @@ def timed_steps(step, batch, n: int, device: torch.device) -> tuple[list[float],
             t0 = time.perf_counter()
             loss = step(*batch)
             times.append((time.perf_counter() - t0) * 1e3)
+        _raise_on_bad_targets()  # synced above: the flags cost no extra wait, outside the timing
         log(f"  step {i + 1}/{n}: {times[-1]:.1f} ms")
     return times, loss.detach().item()
 
@@ -358,12 +362,11 @@ def run(args) -> dict:
 
 
 def _raise_on_bad_targets() -> None:
-    """The fused cross-entropy flags out-of-range targets on device; read it after a sync."""
-    try:
-        from custom_ops.linear_cross_entropy import check_targets_flag
-    except ImportError:
-        return
-    check_targets_flag()
+    """The fused cross-entropy flags out-of-range targets on device, and the fused AdamW skips its
+    update (parameters and moments unchanged) while that flag is set, or on a bad lr/step; read both
+    flags after a step that synced, so a bad batch stops the run at the step that saw it."""
+    lce_op.check_targets_flag()
+    adamw_op.raise_if_refused()
 
 
 def compare_stock(args, cfg, device, dtype, batch, ours: dict, world: int = 1, user_code=None) -> dict:

@@ -132,3 +132,80 @@ def test_regional_compile_shares_one_block_graph_and_matches(tmp_path):
     assert loss_reg == pytest.approx(loss_whole, rel=1e-6)
     for a, b in zip(params_reg, params_whole):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
+# --------------------------------------------------------------------------- out-of-range targets
+
+def _flagging_step(bad_calls):
+    """A stand-in step whose calls numbered in ``bad_calls`` (from 1) leave the fused loss's bad-target flag
+    set, as its op does on a target >= V; returns how often it was called."""
+    import torch
+
+    from custom_ops.linear_cross_entropy import linear_cross_entropy
+
+    calls = []
+
+    def step(inputs, targets):
+        calls.append(1)
+        targets = torch.tensor([0, 11 if len(calls) in bad_calls else 10, -100])
+        return linear_cross_entropy(torch.randn(3, 8), torch.randn(11, 8), targets)
+
+    return step, calls
+
+
+def test_timed_steps_stop_at_the_step_that_saw_a_bad_target():
+    import torch
+
+    step, calls = _flagging_step({2})
+    with pytest.raises(ValueError, match=r"^targets: expected values in \[0, V\)"):
+        run_step.timed_steps(step, (None, None), 5, torch.device("cpu"))
+    assert len(calls) == 2
+
+
+def test_first_call_timer_checks_the_flags():
+    step, _ = _flagging_step({1})
+    with pytest.raises(ValueError, match=r"^targets: expected values in \[0, V\)"):
+        run_step.FirstCallTimer(step)(None, None)
+
+
+def test_compiled_step_refuses_an_out_of_range_target_before_the_update():
+    """Compiled (our passes: the fused loss and the fused AdamW), a batch with a target = V raises a
+    ValueError naming targets and leaves parameters and optimizer moments untouched; ignore_index
+    (-100) is still accepted, and training goes on with good targets."""
+    import torch
+    import torch.nn.functional as F
+
+    import compile_stack
+    from compile_stack.config import PRESETS
+    from compile_stack.reference import AdamW, build_model
+    from passes import registry
+
+    def loss_fn(logits, targets):
+        return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
+
+    torch._dynamo.reset()
+    registry.REPORT.clear()
+    cfg = PRESETS["tiny"]
+    model = build_model(cfg, "cpu", torch.float32)
+    optimizer = AdamW(model.parameters())
+    step = run_step.FirstCallTimer(compile_stack.compile_step(run_step.make_train_step(model, loss_fn, optimizer),
+                                                              codegen=False))
+    inputs = torch.randint(cfg.vocab, (cfg.batch, cfg.seq))
+    good = torch.randint(cfg.vocab, (cfg.batch, cfg.seq))
+    good[0, :5] = -100
+    assert torch.isfinite(step(inputs, good))
+    assert registry.REPORT.replacements["cross_entropy"] == 1 and registry.REPORT.replacements["adamw"] == 1
+
+    def state():
+        return [t.detach().clone() for t in (*model.parameters(), *optimizer.m, *optimizer.v)]
+
+    before = state()
+    bad = good.clone()
+    bad[1, 7] = cfg.vocab
+    with pytest.raises(ValueError, match=r"^targets: expected values in \[0, V\)"):
+        run_step.timed_steps(step, (inputs, bad), 3, torch.device("cpu"))
+    after = state()
+    assert all(torch.equal(a, b) and torch.isfinite(a).all() for a, b in zip(after, before))
+    run_step.timed_steps(step, (inputs, good), 1, torch.device("cpu"))  # nothing left flagged
+    assert not torch.equal(next(model.parameters()), before[0])
+    assert all(torch.isfinite(t).all() for t in state())
