@@ -1,31 +1,43 @@
 """Repeated blocks compiled once, for any model.
 
-Dynamo captures the user's forward whole, every block inlined. Compiling
-that graph as it is makes Inductor's work grow with depth. Instead the
-backend cuts the captured graph where Dynamo says each node came from: every
-node records the module stack it was traced in, so the nodes of
-``model.layers.3`` (an element of an ``nn.ModuleList``/``nn.Sequential``
-whose elements share a class) form one segment, and everything else (the
-embedding, the glue between blocks, the final norm, LM head and loss) forms
-the segments between. Segments that are the same graph with the same input
-metadata (every block of one class, as normally written) share ONE compiled
-function: compiled once at its first call, called with each block's own
-parameters. The head and the loss stay in one segment, so the fused
-cross-entropy pass still sees them together, and attention is matched inside
-the block's graph.
+Compiled whole, a model is one graph with every block inlined, and both
+Dynamo's and Inductor's work grow with depth. We find the repeated blocks
+(an ``nn.ModuleList``/``nn.Sequential`` whose elements share one class) and
+compile one block's graph for all of them, without spelling out any model's
+forward. Two ways, both automatic:
 
-Nothing about the model is spelled out: no forward is rewritten and a model
-with no repeated blocks is compiled whole. Each segment is compiled lazily,
-at its first call, with the real tensors it gets (per distinct input shapes),
-and AOTAutograd makes each one differentiable, so ``backward()`` runs each
-segment's compiled backward in turn.
+1. **Block calls** (``BlockCalls``), when the step reaches the model by name
+   (its closure or globals): while the compiled step runs, each block's
+   ``forward`` is routed to ``call_block``, which Dynamo puts into the
+   captured graph as ONE node (``allow_in_graph``; Dynamo runs the block on
+   fake tensors for the output's metadata) instead of tracing it. At run time
+   that node calls the block's forward compiled by ``torch.compile`` with our
+   backend: one graph for every block (Dynamo keys it on the code; the block's
+   parameters are graph inputs and guards keep it right for any block that
+   differs). Dynamo's tracing no longer grows with depth either.
+2. **Graph cut** (the fallback, e.g. a model passed in as an argument, or
+   blocks with hooks): Dynamo captures the forward whole, and the backend
+   cuts the graph where Dynamo says each node came from: the nodes of
+   ``model.layers.3`` form one segment, and segments that are the same graph
+   with the same input metadata share one compiled function.
+
+Either way the backend splits the captured graph into segments: the block
+calls, and the pieces between them (the embedding; the final norm, LM head
+and loss together, so the fused cross-entropy pass still sees them). Each
+piece is compiled at its first call with the real tensors it gets (per
+distinct input layout), and AOTAutograd makes each differentiable, so
+``backward()`` runs each piece's compiled backward in turn. A model with no
+repeated blocks is compiled whole.
 """
+import contextlib
 import re
 from collections import defaultdict
 from collections.abc import Callable
 
 import torch
+from torch._subclasses.fake_tensor import is_fake
 from torch.fx.passes.split_module import split_module
+from torch.nn.utils.stateless import _reparametrize_module
 
 # A module path element that indexes a container: "G['model'].layers.3" or "L['self'].layers[3]".
 _INDEXED = re.compile(r"^(?P<container>.+?)(?:\.(?P<dot>\d+)|\[(?P<bracket>\d+)\])$")
@@ -57,15 +69,15 @@ def repeated_blocks(gm: torch.fx.GraphModule) -> dict[torch.fx.Node, tuple[str, 
     return {n: (b[0], b[1]) for n, b in found.items() if b is not None and b[0] in repeated}
 
 
-def segment_ids(gm: torch.fx.GraphModule, blocks: dict) -> dict[torch.fx.Node, int]:
-    """Consecutive runs of nodes with one block (or none) become numbered segments."""
-    ids, current, label = {}, -1, object()
+def segment_ids(gm: torch.fx.GraphModule, label: Callable[[torch.fx.Node], object]) -> dict[torch.fx.Node, int]:
+    """Consecutive runs of nodes with one ``label`` become numbered segments."""
+    ids, current, last = {}, -1, object()
     for node in gm.graph.nodes:
         if node.op in ("placeholder", "output"):
             continue
-        this = blocks.get(node)
-        if this != label:
-            current, label = current + 1, this
+        this = label(node)
+        if this != last:
+            current, last = current + 1, this
         ids[node] = current
     return ids
 
@@ -124,19 +136,28 @@ class SharedCompile:
         return fn(*args)
 
 
+def is_block_call(node: torch.fx.Node) -> bool:
+    return node.op == "call_function" and node.target is call_block
+
+
 def outline(gm: torch.fx.GraphModule, compile_fn: CompileFn) -> torch.fx.GraphModule | None:
-    """``gm`` cut into segments at its repeated blocks, equal segments sharing one compile;
-    None when ``gm`` has no repeated blocks."""
-    blocks = repeated_blocks(gm)
-    if not blocks:
-        return None
-    ids = segment_ids(gm, blocks)
+    """``gm`` split into segments at its block calls (or, with none, its repeated blocks), each
+    compiled at its first call, equal segments sharing one compile; block calls stay as they are.
+    None when ``gm`` has neither."""
+    calls = [n for n in gm.graph.nodes if is_block_call(n)]
+    if calls:
+        ids = segment_ids(gm, lambda node: node if is_block_call(node) else None)
+    else:
+        blocks = repeated_blocks(gm)
+        if not blocks:
+            return None
+        ids = segment_ids(gm, blocks.get)
     split = split_module(gm, None, lambda node: ids[node], keep_original_order=True)
-    segments = [(name, sub) for name, sub in split.named_children() if name.startswith("submod_")]
     groups = defaultdict(list)
-    for name, sub in segments:
-        key = structure(sub)
-        groups[key if key is not None else name].append((name, sub))
+    for name, sub in split.named_children():
+        if name.startswith("submod_") and not any(is_block_call(n) for n in sub.graph.nodes):
+            key = structure(sub)
+            groups[key if key is not None else name].append((name, sub))
     for members in groups.values():
         shared = SharedCompile(members[0][1], compile_fn, len(members))
         for name, _ in members:
@@ -154,3 +175,80 @@ def block_list(model: torch.nn.Module) -> list[torch.nn.Module]:
             if len(children) >= 2 and len({type(c) for c in children}) == 1 and len(children) > len(best):
                 best = children
     return best
+
+
+# BlockCalls routed now, by key: the key is a constant in the graphs that call them.
+_ROUTED: dict[int, "BlockCalls"] = {}
+
+
+@torch._dynamo.allow_in_graph
+def call_block(key: int, index: int, args: tuple, kwargs: dict, tensors: tuple):
+    """Block ``index`` of ``BlockCalls`` ``key`` applied to ``args``/``kwargs``; ``tensors`` are its
+    parameters and buffers, passed so the captured graph records them as the call's inputs."""
+    calls = _ROUTED[key]
+    block = calls.blocks[index]
+    if any(is_fake(t) for t in tensors):  # Dynamo asking for the output's metadata
+        with _reparametrize_module(block, dict(zip(calls.tensor_names, tensors))):
+            return _class_forward(block, *args, **kwargs)
+    return calls.compiled(block, *args, **kwargs)
+
+
+def _class_forward(block: torch.nn.Module, *args, **kwargs):
+    """The block's own forward (its ``forward`` attribute is routed to ``call_block`` meanwhile)."""
+    return type(block).forward(block, *args, **kwargs)
+
+
+def _plain(module: torch.nn.Module) -> bool:
+    """No hooks on the module or inside it (a routed forward would skip nothing, but hooks such
+    as FSDP2's must run around the block's own call)."""
+    return not any(m._forward_hooks or m._forward_pre_hooks or m._backward_hooks or m._backward_pre_hooks
+                   or type(m).__call__ is not torch.nn.Module.__call__ for m in module.modules())
+
+
+class BlockCalls:
+    """The repeated blocks of ``model``, each call one node of the captured graph while routed."""
+
+    def __init__(self, blocks: list[torch.nn.Module], backend):
+        """``backend`` compiles the block's forward (its replacements count once per block)."""
+        self.blocks = blocks
+        self.backend = backend
+        self.tensor_names = [name for name, _ in self._named_tensors(blocks[0])]
+        self.compiled = torch.compile(_class_forward, backend=backend)
+        self.key = id(self)
+        _ROUTED[self.key] = self
+        self.forwards = [self._forward(i) for i in range(len(blocks))]
+
+    @staticmethod
+    def _named_tensors(block):
+        return [*block.named_parameters(), *block.named_buffers()]
+
+    def _forward(self, index: int):
+        key, block = self.key, self.blocks[index]
+
+        def forward(*args, **kwargs):
+            return call_block(key, index, args, kwargs, tuple(t for _, t in self._named_tensors(block)))
+
+        return forward
+
+    @classmethod
+    def of(cls, model: torch.nn.Module, make_backend: Callable[[int], object]) -> "BlockCalls | None":
+        """``model``'s blocks, or None where they cannot be routed (none; hooks; differing tensors);
+        ``make_backend(number of blocks)`` makes the blocks' backend."""
+        blocks = block_list(model)
+        if not blocks or not all(_plain(b) for b in blocks):
+            return None
+        names = [[n for n, _ in cls._named_tensors(b)] for b in blocks]
+        if any(n != names[0] for n in names):
+            return None
+        return cls(blocks, make_backend(len(blocks)))
+
+    @contextlib.contextmanager
+    def routed(self):
+        """While active, each block's ``forward`` is its ``call_block`` node."""
+        for block, forward in zip(self.blocks, self.forwards):
+            block.forward = forward
+        try:
+            yield
+        finally:
+            for block in self.blocks:
+                del block.forward

@@ -44,6 +44,7 @@ class PassBackend:
         codegen: bool = True,
         outline_blocks: bool = False,
         backward_now: bool = True,
+        uses: int = 1,
     ):
         self.pass_list = registry.resolve(passes)
         self.outline_blocks = outline_blocks
@@ -51,10 +52,14 @@ class PassBackend:
         # without the caller holding ``active()`` open. False: at the first backward(), which must
         # then run inside ``active()`` (compile_step's call does).
         self.backward_now = backward_now
+        # How many call sites each graph serves (a block's graph: one per block); replacements
+        # are counted that many times.
+        self.uses = uses
         self.memory_budget = memory_budget
         self.name = name
         self.codegen = codegen
-        self.graphs = 0
+        self.graphs = 0  # graphs compiled
+        self.captures = 0  # captured graphs cut into segments (blocks.outline)
         self.writer = writer
 
     @contextlib.contextmanager
@@ -77,10 +82,11 @@ class PassBackend:
         if self.outline_blocks:
             segmented = blocks.outline(gm, self._compile)
             if segmented is not None:
-                if self.writer:
-                    self.writer.begin_graph(f"{self.name}{self.graphs}.whole", gm)
+                if self.writer:  # the graph Dynamo captured, before it was cut
+                    self.writer.begin_graph(f"{self.name}.captured{self.captures}", gm)
+                self.captures += 1
                 return segmented
-        return self._compile(gm, example_inputs)
+        return self._compile(gm, example_inputs, self.uses)
 
     def _compile(self, gm: torch.fx.GraphModule, example_inputs, uses: int = 1):
         """Compile one graph; its replacements count ``uses`` times (segments sharing it)."""

@@ -30,6 +30,7 @@ from pathlib import Path
 import torch
 
 from compile_stack import settings
+from compile_stack.blocks import BlockCalls
 from compile_stack.capture import PassBackend
 from compile_stack.inspection import InspectionWriter
 from custom_ops.checks import require
@@ -49,15 +50,6 @@ class StepOptions:
     backward_now: bool = False
 
 
-def compile_backends(options: StepOptions, inspect: bool = True) -> tuple[PassBackend, PassBackend]:
-    """The model's and the optimizer's backends, writing to one inspection directory (if any)."""
-    writer = InspectionWriter(options.inspect_dir) if options.inspect_dir and inspect else None
-    model = PassBackend(options.passes, writer, options.memory_budget, name="model", codegen=options.codegen,
-                        outline_blocks=options.blocks, backward_now=options.backward_now)
-    optimizer = PassBackend(options.passes, writer, options.memory_budget, name="optimizer", codegen=options.codegen)
-    return model, optimizer
-
-
 def is_optimizer(obj) -> bool:
     """A torch optimizer, or a hand-written one: a ``step`` and a ``zero_grad`` method, not a module."""
     if isinstance(obj, torch.optim.Optimizer):
@@ -67,14 +59,15 @@ def is_optimizer(obj) -> bool:
     return callable(getattr(obj, "step", None)) and callable(getattr(obj, "zero_grad", None))
 
 
-def find_optimizers(fn: Callable) -> list:
-    """The optimizers ``fn`` reaches by name: its closure cells, and the globals its code names."""
+def find_reachable(fn: Callable, wanted: Callable[[object], bool]) -> list:
+    """The objects ``fn`` reaches by name (its closure cells, and the globals its code names)
+    for which ``wanted`` holds, each once."""
     fn = inspect_target(fn)
     found = []
     candidates = [cell.cell_contents for cell in (fn.__closure__ or ()) if _has_contents(cell)]
     candidates += [fn.__globals__[name] for name in _global_names(fn.__code__) if name in fn.__globals__]
     for obj in candidates:
-        if is_optimizer(obj) and all(obj is not seen for seen in found):
+        if wanted(obj) and all(obj is not seen for seen in found):
             found.append(obj)
     return found
 
@@ -274,16 +267,26 @@ class CompiledStep:
                 type(train_step).__name__)
         self.train_step = train_step
         self.options = options
-        settings.use_cache_dir(options.cache_dir) if options.cache_dir is not None else None
-        self.backend, self.optimizer_backend = compile_backends(options)
+        if options.cache_dir is not None:
+            settings.use_cache_dir(options.cache_dir)
+        writer = InspectionWriter(options.inspect_dir) if options.inspect_dir else None
+        backend = functools.partial(PassBackend, options.passes, writer, options.memory_budget, codegen=options.codegen,
+                                    backward_now=options.backward_now)
+        self.backend = backend(name="model", outline_blocks=options.blocks)
+        self.optimizer_backend = backend(name="optimizer")
         self.optimizer_steps = [CompiledOptimizerStep(opt, self.optimizer_backend)
-                                for opt in find_optimizers(train_step)]
+                                for opt in find_reachable(train_step, is_optimizer)]
+        models = find_reachable(train_step, lambda obj: isinstance(obj, torch.nn.Module)) if options.blocks else []
+        self.block_calls = [calls for model in models
+                            if (calls := BlockCalls.of(model, lambda n: backend(name="block", uses=n))) is not None]
         self.compiled = torch.compile(train_step, backend=self.backend)
         functools.update_wrapper(self, train_step)
 
     def __call__(self, *args, **kwargs):
         with contextlib.ExitStack() as stack:
             stack.enter_context(self.backend.active())  # the backward may be compiled in this call
+            for calls in self.block_calls:
+                stack.enter_context(calls.routed())
             for opt_step in self.optimizer_steps:
                 stack.enter_context(opt_step.routed())
             return self.compiled(*args, **kwargs)

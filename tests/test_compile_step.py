@@ -35,12 +35,40 @@ def test_repeated_blocks_compile_once_whatever_the_depth():
     counts = {}
     for layers in (2, 8):
         step, _ = compiled_gpt_step(layers)
-        counts[layers] = step.backend.graphs
+        (calls,) = step.block_calls
+        assert len(calls.blocks) == layers
+        counts[layers] = (step.backend.graphs, calls.backend.graphs)
         # Every layer's attention runs our op: the shared block graph counts once per layer.
         assert registry.REPORT.replacements["attention"] == layers
         assert registry.REPORT.replacements["cross_entropy"] == 1
-    # The embedding, the block graph every layer shares, and the head with the loss.
-    assert counts[2] == counts[8] == 3
+    # The embedding and the head with the loss; one block graph every layer calls.
+    assert counts[2] == counts[8] == (2, 1)
+
+
+def test_blocks_of_a_model_passed_as_an_argument_are_cut_from_the_graph():
+    """A model the step does not reach by name: Dynamo traces every block, the backend cuts the
+    graph at them and compiles one block's segment for all."""
+    counts = {}
+    for layers in (2, 5):
+        torch._dynamo.reset()
+        registry.REPORT.clear()
+        torch.manual_seed(0)
+        model = gpt(layers)
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+
+        def train_step(model, inputs, targets):
+            optimizer.zero_grad(set_to_none=True)
+            mean_cross_entropy(model(inputs), targets).backward()
+            optimizer.step()
+
+        step = compile_stack.compile_step(train_step, codegen=False)
+        (inputs, targets), = batches(1)
+        step(model, inputs, targets)
+        assert step.block_calls == []
+        counts[layers] = step.backend.graphs
+        assert registry.REPORT.replacements["attention"] == layers
+        assert registry.REPORT.replacements["cross_entropy"] == 1
+    assert counts[2] == counts[5] == 3  # the embedding, the shared block segment, head + loss
 
 
 def test_blocks_off_compiles_the_forward_as_one_graph():
