@@ -18,6 +18,7 @@ import os
 import platform
 import statistics
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -79,6 +80,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--profile", type=Path, metavar="FILE", help="write a torch.profiler trace of one step and print a breakdown")
     p.add_argument("--force", action="store_true", help="run even if the memory estimate says the config does not fit")
     args = p.parse_args(argv)
+    for name in OVERRIDES:
+        value = getattr(args, name)
+        if value is not None and value < 1:
+            p.error(f"--{name.replace('_', '-')}: expected a positive integer, got {value}")
     for name in ("steps", "warmup"):
         if getattr(args, name) < 0:
             p.error(f"--{name}: expected a non-negative integer, got {getattr(args, name)}")
@@ -92,7 +97,101 @@ def parse_args(argv=None) -> argparse.Namespace:
         spec = getattr(args, option)
         if spec is not None and (spec.count(":") != 1 or not all(spec.split(":"))):
             p.error(f"--{option}: expected MODULE:NAME (e.g. mymodels:{option}), got {spec!r}")
+    device = check_device(args, p)
+    if args.preset or device.type != "cuda":  # else the preset is chosen by memory: checked in run()
+        try:
+            config_of(args, args.preset or "tiny")
+        except SystemExit as e:
+            p.error(str(e))
+    if args.passes:
+        try:
+            registry.resolve(args.passes.split(","))
+        except ValueError as e:
+            p.error(f"--{e}")
+    check_outputs(args, p)
     return args
+
+
+def check_device(args, p: argparse.ArgumentParser) -> torch.device:
+    """--device names cpu, cuda or cuda:N that this machine has; the device the run will use."""
+    if distributed.is_distributed():
+        return torch.device("cuda")  # torchrun: each rank takes its own GPU
+    if args.device is None:
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        device = torch.device(args.device)
+    except RuntimeError:
+        device = None
+    if device is None or device.type not in ("cpu", "cuda"):
+        p.error(f"--device: expected cpu, cuda or cuda:N, got {args.device!r}")
+    if device.type == "cuda" and not torch.cuda.is_available():
+        p.error(f"--device: expected cpu on this machine (no CUDA GPU is available), got {args.device!r}")
+    if device.type == "cuda" and device.index is not None and device.index >= torch.cuda.device_count():
+        p.error(f"--device: expected cuda:0 to cuda:{torch.cuda.device_count() - 1}, got {args.device!r}")
+    return device
+
+
+def config_of(args, preset: str) -> ModelConfig:
+    """The preset with the command-line overrides; a bad combination exits naming the option."""
+    overrides = {name: getattr(args, name) for name in OVERRIDES}
+    try:
+        return PRESETS[preset].with_overrides(**overrides)
+    except ValueError as e:  # "heads: expected ...": ModelConfig names the field
+        field, _, message = str(e).partition(": ")
+        option = f"--{field.replace('_', '-')}" if field in OVERRIDES else field
+        raise SystemExit(f"{option}: {message} (preset {preset})") from None
+
+
+def _writable_dir_error(path: Path) -> str | None:
+    """Why files cannot be created in ``path`` (made with its parents if missing), or None if they can.
+
+    Makes nothing: probes with a temporary file in the nearest directory that exists."""
+    probe = path
+    while not probe.exists():
+        if probe.parent == probe:
+            break
+        probe = probe.parent
+    if not probe.is_dir():
+        return f"{str(probe)!r} is not a directory"
+    try:
+        with tempfile.TemporaryFile(dir=probe):
+            pass
+    except OSError as e:
+        return f"cannot write in {str(probe)!r} ({e.strerror or e})"
+    return None
+
+
+def check_outputs(args, p: argparse.ArgumentParser) -> None:
+    """Every file and directory the run writes is writable, checked before any work (a summary
+    is not lost to a bad --json path after the whole run)."""
+    for option in ("json", "profile"):
+        path = getattr(args, option)
+        if path is None:
+            continue
+        expected = f"--{option}: expected a writable file path"
+        if path.is_dir():
+            p.error(f"{expected}, got {str(path)!r}, which is a directory")
+        if not path.parent.is_dir():
+            p.error(f"{expected} in an existing directory, got {str(path)!r} "
+                    f"(no directory {str(path.parent)!r})")
+        if path.exists() and not os.access(path, os.W_OK):
+            p.error(f"{expected}, got {str(path)!r}, which is not writable")
+        why = _writable_dir_error(path.parent)
+        if why:
+            p.error(f"{expected}, got {str(path)!r}: {why}")
+    cache_dir = args.cache_dir if args.cache_dir is not None else settings.default_cache_dir()
+    for option, path in (("inspect", args.inspect), ("cache-dir", cache_dir)):
+        if path is None:
+            continue
+        path = path.expanduser()
+        expected = f"--{option}: expected a writable directory"
+        if option == "cache-dir" and args.cache_dir is None:
+            expected += f" (the default, ${settings.CACHE_ENV} or ~/.cache/compile_stack)"
+        if path.exists() and not path.is_dir():
+            p.error(f"{expected}, got {str(path)!r}, which is not a directory")
+        why = _writable_dir_error(path)
+        if why:
+            p.error(f"{expected}, got {str(path)!r}: {why}")
 
 
 def load_object(spec: str, option: str):
@@ -152,18 +251,17 @@ def log(msg: str) -> None:
 def choose_config(args, device: torch.device, device_bytes: float, world: int,
                   nbytes: int) -> tuple[str, ModelConfig, str]:
     """The preset (given, or the largest that fits) with the command-line overrides applied."""
-    overrides = {name: getattr(args, name) for name in OVERRIDES}
     if args.preset:
-        return args.preset, PRESETS[args.preset].with_overrides(**overrides), "given"
+        return args.preset, config_of(args, args.preset), "given"
     if device.type != "cuda":
-        return "tiny", PRESETS["tiny"].with_overrides(**overrides), "no GPU: tiny runs on the CPU"
+        return "tiny", config_of(args, "tiny"), "no GPU: tiny runs on the CPU"
     for name in PRESET_ORDER:
-        cfg = PRESETS[name].with_overrides(**overrides)
+        cfg = config_of(args, name)
         estimate = memory.estimate_peak_bytes(cfg, args.compile, 0.0, nbytes, world)
         if memory.fits(estimate, device_bytes):
             return name, cfg, (f"largest preset whose estimate ({estimate / memory.GIB:.0f} GiB) fits the GPU's "
                                f"{device_bytes / memory.GIB:.0f} GiB")
-    return "tiny", PRESETS["tiny"].with_overrides(**overrides), "nothing larger fits"
+    return "tiny", config_of(args, "tiny"), "nothing larger fits"
 
 
 def choose_budget(args, cfg: ModelConfig, device: torch.device, device_bytes: float, world: int,
@@ -287,7 +385,10 @@ def run(args) -> dict:
             "Check a smaller config (e.g. --preset small --seq 4096), or --force to try anyway."
         )
 
-    settings.use_cache_dir(args.cache_dir, fresh=args.fresh_cache and rank == 0)
+    try:
+        settings.use_cache_dir(args.cache_dir, fresh=args.fresh_cache and rank == 0)
+    except ValueError as e:  # "cache_dir: expected a writable directory ..."
+        raise SystemExit(f"--cache-dir: {str(e).partition(': ')[2]}") from None
     if world > 1:
         torch.distributed.barrier()  # rank 0 has emptied the shared caches
     log(f"compile caches: {settings.default_cache_dir()}{' (emptied)' if args.fresh_cache else ''}")
