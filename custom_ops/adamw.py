@@ -387,9 +387,9 @@ def _triton_step(params, grads, exp_avgs, exp_avg_sqs, lr, step, beta1, beta2, e
     log_beta2 = math.log(beta2) if beta2 > 0 else -math.inf
     for (pd, gd, md, vd), table, block_tensor in plan:
         _adamw_kernel[(block_tensor.numel(),)](
-            table, block_tensor, lr, step, refusals.flag, targets_flag, beta1, beta2, 1 - beta1, 1 - beta2, log_beta1, log_beta2,
-            eps, weight_decay, P_DTYPE=pd, G_DTYPE=gd, M_DTYPE=md, V_DTYPE=vd, TORCH_SEMANTICS=torch_semantics,
-            BLOCK=block, num_warps=num_warps,
+            table, block_tensor, lr, step, refusals.flag, targets_flag, beta1, beta2, 1 - beta1, 1 - beta2, log_beta1,
+            log_beta2, eps, weight_decay, P_DTYPE=pd, G_DTYPE=gd, M_DTYPE=md, V_DTYPE=vd,
+            TORCH_SEMANTICS=torch_semantics, BLOCK=block, num_warps=num_warps,
         )
     if device.type != "cuda":  # the interpreter: the flag is host memory, free to read now
         refusals.raise_if_set(int(refusals.flag[0]))
