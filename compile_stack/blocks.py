@@ -31,6 +31,7 @@ repeated blocks is compiled whole.
 """
 import contextlib
 import re
+import weakref
 from collections import defaultdict
 from collections.abc import Callable
 
@@ -177,8 +178,9 @@ def block_list(model: torch.nn.Module) -> list[torch.nn.Module]:
     return best
 
 
-# BlockCalls routed now, by key: the key is a constant in the graphs that call them.
-_ROUTED: dict[int, "BlockCalls"] = {}
+# Live BlockCalls by key (a constant in the graphs that call them); weak, so that freeing the
+# compiled step frees its blocks (their parameters and gradients).
+_ROUTED: "weakref.WeakValueDictionary[int, BlockCalls]" = weakref.WeakValueDictionary()
 
 
 @torch._dynamo.allow_in_graph
