@@ -10,5 +10,13 @@ function with our passes: ``torch.compile(fn, backend=compile_stack.Backend())``
 """
 from compile_stack.capture import PassBackend as Backend
 from compile_stack.user_step import CompiledStep, compile_step
+from passes import registry
 
-__all__ = ["Backend", "CompiledStep", "compile_step"]
+
+def pass_report() -> dict:
+    """What our passes replaced in this process's compiles so far, per pass (a block's graph
+    counts once per block that calls it), and notes on what they saw but left alone."""
+    return {"replacements": registry.REPORT.as_dict(registry.pass_names()), "notes": list(registry.REPORT.notes)}
+
+
+__all__ = ["Backend", "CompiledStep", "compile_step", "pass_report"]
