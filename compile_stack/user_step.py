@@ -186,8 +186,29 @@ class CompiledOptimizerStep:
     def _run(self, *args, **kwargs):
         sources = step_counter_sources(self.optimizer)
         static = not type(self.optimizer).__module__.startswith("torch.optim.")
-        with torch.compiler.config.patch(dynamic_sources=sources), self._dynamic_floats(sources, static):
+        with (torch.compiler.config.patch(dynamic_sources=sources), self._dynamic_floats(sources, static),
+              self._single_tensor()):
             return self.compiled(*args, **kwargs)
+
+    @contextlib.contextmanager
+    def _single_tensor(self):
+        """torch.optim's per-parameter form while compiled, not its foreach form.
+
+        The foreach form hands ``1 - lr·wd`` and the step sizes to ``_foreach_*`` ops as
+        Python numbers, so Dynamo bakes lr in and a scheduler recompiles the step at every new
+        lr (eager past the recompile limit). The single-tensor form keeps lr a symbol; it is the
+        same update, and the AdamW pass fuses it into one call either way.
+        """
+        saved = [(g, g["foreach"]) for g in getattr(self.optimizer, "param_groups", ())
+                 if isinstance(self.optimizer, torch.optim.Optimizer) and "foreach" in g
+                 and g["foreach"] is not False and not g.get("fused") and not g.get("capturable")]
+        for group, _ in saved:
+            group["foreach"] = False
+        try:
+            yield
+        finally:
+            for group, foreach in saved:
+                group["foreach"] = foreach
 
     @staticmethod
     def _attribute_stores(optimizer) -> set[str]:
