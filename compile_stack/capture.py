@@ -93,7 +93,7 @@ class PassBackend:
         graph_name = f"{self.name}{self.graphs}"
         self.graphs += 1
         report = registry.REPORT
-        runs_before, counts_before = Counter(report.runs), Counter(report.replacements)
+        runs_before, counts_before, notes_before = Counter(report.runs), Counter(report.replacements), len(report.notes)
         if self.writer:
             self.writer.begin_graph(graph_name, gm)
         # Inspecting: the backward's code is filed under this graph only if compiled now.
@@ -105,7 +105,7 @@ class PassBackend:
                 compiled = compile_graph(gm, example_inputs)
             else:  # a segment returning one value
                 compiled = make_graph_return_tuple(gm, example_inputs, compile_graph)
-        self._settle_report(gm, runs_before, counts_before, uses)
+        self._settle_report(gm, runs_before, counts_before, notes_before, uses)
         return compiled
 
     def _compile_without_codegen(self, gm, example_inputs):
@@ -140,22 +140,53 @@ class PassBackend:
         digest = hashlib.sha256(gm.code.encode() + b"".join(stages)).hexdigest()[:32]
         return settings.default_cache_dir() / "pass_reports" / f"{digest}.json"
 
-    def _settle_report(self, gm, runs_before: Counter, counts_before: Counter, uses: int) -> None:
-        """Replay stored counts for the stages a cache hit skipped; store this graph's counts;
-        count them once more for each other segment that shares this graph."""
+    def _settle_report(self, gm, runs_before: Counter, counts_before: Counter, notes_before: int, uses: int) -> None:
+        """This graph's replacements, counted once per segment that shares it, and its notes.
+
+        Where a cache hit skipped a stage's passes, its counts and notes are replayed from the
+        record the compile that ran them left; with no record, or one that is damaged or was
+        edited (its digest no longer matches), those passes are reported unknown, never 0. Only
+        a compile whose passes all ran writes the record.
+        """
         report = registry.REPORT
         key = self._report_key(gm)
-        stored = json.loads(key.read_text()) if key.exists() else {}
-        counts = {}
+        record = _read_record(key)
+        counts, replayed = {}, False
         for p in self.pass_list:
             if report.runs[p.stage] != runs_before[p.stage]:
                 counts[p.name] = report.replacements[p.name] - counts_before[p.name]
-            else:
-                counts[p.name] = stored.get(p.name, 0)
+            elif record is not None and isinstance(record["counts"].get(p.name), int):
+                counts[p.name], replayed = record["counts"][p.name], True
                 report.replacements[p.name] += counts[p.name]
+            else:
+                report.unknown.add(p.name)
+                continue
             report.replacements[p.name] += counts[p.name] * (uses - 1)
-        key.parent.mkdir(parents=True, exist_ok=True)
-        # Atomic: ranks of a distributed run share the cache directory.
-        partial = key.with_suffix(f".{os.getpid()}.tmp")
-        partial.write_text(json.dumps(counts))
-        os.replace(partial, key)
+        if replayed:
+            for entry in record["notes"]:
+                if entry not in report.notes:
+                    report.notes.append(entry)
+        if len(counts) == len(self.pass_list) and not replayed:
+            _write_record(key, {"counts": counts, "notes": report.notes[notes_before:]})
+
+
+def _digest(key: Path, payload: dict) -> str:
+    return hashlib.sha256(f"{key.name}:{json.dumps(payload, sort_keys=True)}".encode()).hexdigest()
+
+
+def _read_record(key: Path) -> dict | None:
+    """A graph's stored counts and notes; None if missing, unreadable, malformed or edited."""
+    try:
+        data = json.loads(key.read_text())
+        payload = {"counts": dict(data["counts"]), "notes": [str(n) for n in data["notes"]]}
+        return payload if data["digest"] == _digest(key, payload) else None
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
+def _write_record(key: Path, payload: dict) -> None:
+    key.parent.mkdir(parents=True, exist_ok=True)
+    # Atomic: ranks of a distributed run share the cache directory.
+    partial = key.with_suffix(f".{os.getpid()}.tmp")
+    partial.write_text(json.dumps({**payload, "digest": _digest(key, payload)}))
+    os.replace(partial, key)

@@ -61,14 +61,18 @@ class PassReport:
     notes: list[str] = dataclasses.field(default_factory=list)
     # How many times each stage of passes ran: unchanged across a compile means a cache hit.
     runs: Counter = dataclasses.field(default_factory=Counter)
+    # Passes whose count for some graph is not known (a cache hit with no valid record of it).
+    unknown: set = dataclasses.field(default_factory=set)
 
     def clear(self) -> None:
         self.replacements.clear()
         self.notes.clear()
         self.runs.clear()
+        self.unknown.clear()
 
-    def as_dict(self, names: Iterable[str]) -> dict[str, int]:
-        return {name: int(self.replacements.get(name, 0)) for name in names}
+    def as_dict(self, names: Iterable[str]) -> dict[str, int | None]:
+        """Replacements per pass; None where some graph's count is unknown."""
+        return {name: None if name in self.unknown else int(self.replacements.get(name, 0)) for name in names}
 
 
 REPORT = PassReport()
