@@ -28,7 +28,7 @@ import compile_stack
 from compile_stack import distributed, memory, settings
 from compile_stack.config import H200_PEAK_BF16_FLOPS, PRESET_ORDER, PRESETS, ModelConfig
 from compile_stack.reference import AdamW, build_model, cross_entropy
-from compile_stack.step import StepOptions
+from compile_stack.user_step import StepOptions
 from custom_ops import adamw as adamw_op
 from custom_ops import linear_cross_entropy as lce_op
 from passes import registry
@@ -411,8 +411,7 @@ def run(args) -> dict:
     if world > 1:
         batch = tuple(distributed.shard_batch(t, rank, world) for t in batch)
     if world > 1 and model_factory is None and args.loss is None and args.optimizer is None:
-        options = StepOptions(compile=args.compile, passes=passes, inspect_dir=args.inspect, memory_budget=budget,
-                              regional=not args.whole_graph)
+        options = StepOptions(passes=passes, inspect_dir=args.inspect, memory_budget=budget) if args.compile else None
         step = FirstCallTimer(distributed.DistributedTrainStep(model, AdamW, options))
     else:
         if world > 1:

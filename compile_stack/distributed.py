@@ -46,7 +46,7 @@ from compile_stack.blocks import block_list
 from compile_stack.profiling import categorize, is_device_work, record
 from compile_stack.reference import Transformer
 from compile_stack.regional import BlockwiseLoss
-from compile_stack.step import StepOptions, compile_backends, step_context
+from compile_stack.user_step import CompiledOptimizerStep, StepOptions, backend_factory
 from custom_ops.checks import require
 
 ENV_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
@@ -146,31 +146,32 @@ class DistributedTrainStep:
 
     ``model`` is the unsharded model (same weights on every rank; it is
     sharded in place); ``make_optimizer(tensors)`` builds the optimizer over
-    the local shards (e.g. ``reference.AdamW``).
+    the local shards (e.g. ``reference.AdamW``); ``options`` say how to
+    compile (None: eager).
     """
 
-    def __init__(self, model: Transformer, make_optimizer: Callable, options: StepOptions,
+    def __init__(self, model: Transformer, make_optimizer: Callable, options: StepOptions | None,
                  reshard_after_forward: bool = True):
         require(callable(make_optimizer), "make_optimizer", "a callable building the optimizer from tensors",
                 type(make_optimizer).__name__)
         self.sharded = shard_model(model, reshard_after_forward)
         self.make_optimizer = make_optimizer
-        self.options = options
         self.shards = None
         self.optimizer = None
         self.optimizer_step = None
         self.backend = None
         self.optimizer_backend = None
-        if options.compile:
-            self.backend, self.optimizer_backend = compile_backends(options, inspect=dist.get_rank() == 0)
+        if options is not None:
+            backend = backend_factory(options, inspect=dist.get_rank() == 0)
+            self.backend, self.optimizer_backend = backend(name="model"), backend(name="optimizer")
             self.sharded.compile_pieces(self.backend)
 
     def _build_optimizer(self) -> None:
         self.shards = LocalShards(list(self.sharded.parameters()))
         self.optimizer = self.make_optimizer(self.shards.tensors)
         self.optimizer_step = self.optimizer.step
-        if self.options.compile:
-            self.optimizer_step = torch.compile(self.optimizer.step, backend=self.optimizer_backend, fullgraph=True)
+        if self.optimizer_backend is not None:
+            self.optimizer_step = CompiledOptimizerStep(self.optimizer, self.optimizer_backend).call
 
     def __call__(self, inputs, targets):
         with self.backend.active() if self.backend else contextlib.nullcontext():
@@ -182,8 +183,7 @@ class DistributedTrainStep:
         if self.optimizer is None:
             self._build_optimizer()
         self.shards.load_grads()
-        with step_context(self.optimizer_backend, self.optimizer):
-            self.optimizer_step()
+        self.optimizer_step()
         return mean_over_ranks(loss)
 
 

@@ -50,6 +50,14 @@ class StepOptions:
     backward_now: bool = False
 
 
+def backend_factory(options: StepOptions, inspect: bool = True) -> Callable[..., PassBackend]:
+    """Makes our backends for ``options``, all writing to one inspection directory (if any);
+    call it with the backend's ``name`` and its own keywords."""
+    writer = InspectionWriter(options.inspect_dir) if options.inspect_dir and inspect else None
+    return functools.partial(PassBackend, options.passes, writer, options.memory_budget, codegen=options.codegen,
+                             backward_now=options.backward_now)
+
+
 def is_optimizer(obj) -> bool:
     """A torch optimizer, or a hand-written one: a ``step`` and a ``zero_grad`` method, not a module."""
     if isinstance(obj, torch.optim.Optimizer):
@@ -290,9 +298,7 @@ class CompiledStep:
         self.options = options
         if options.cache_dir is not None:
             settings.use_cache_dir(options.cache_dir)
-        writer = InspectionWriter(options.inspect_dir) if options.inspect_dir else None
-        backend = functools.partial(PassBackend, options.passes, writer, options.memory_budget, codegen=options.codegen,
-                                    backward_now=options.backward_now)
+        backend = backend_factory(options)
         self.backend = backend(name="model", outline_blocks=options.blocks)
         self.optimizer_backend = backend(name="optimizer")
         self.optimizer_steps = [CompiledOptimizerStep(opt, self.optimizer_backend)

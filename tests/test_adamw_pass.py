@@ -5,12 +5,13 @@ import dataclasses
 import pytest
 import torch
 
+import compile_stack
 import passes.adamw  # noqa: F401  (registers the pass)
 import passes.param_data  # noqa: F401
 from compile_stack import capture, reference
 from compile_stack.capture import PassBackend
 from compile_stack.config import PRESETS
-from compile_stack.step import StepOptions, TrainStep
+from run_step import make_train_step
 from custom_ops.adamw import fused_adamw
 from passes import registry
 from tests.helpers import HAS_CUDA
@@ -286,12 +287,13 @@ def test_gpu_train_step_reference_model(graphs):
     cfg = PRESETS["tiny"]
     model = reference.build_model(cfg, "cuda", torch.bfloat16)
     eager_model = copy.deepcopy(model)
-    compiled = TrainStep(model, reference.AdamW(model.parameters()), StepOptions(compile=True, passes=PASSES))
-    eager = TrainStep(eager_model, reference.AdamW(eager_model.parameters()), StepOptions())
+    compiled = compile_stack.compile_step(
+        make_train_step(model, reference.cross_entropy, reference.AdamW(model.parameters())), passes=PASSES)
+    eager = make_train_step(eager_model, reference.cross_entropy, reference.AdamW(eager_model.parameters()))
     for _ in range(3):
         inputs, targets = (torch.randint(0, cfg.vocab, (cfg.batch, cfg.seq), device="cuda") for _ in range(2))
         torch.testing.assert_close(compiled(inputs, targets), eager(inputs, targets), rtol=2e-2, atol=2e-2)
-    # TrainStep traces the step counter as a symbol from the start: one optimizer graph.
+    # compile_step traces the step counter as a symbol from the start: one optimizer graph.
     assert registry.REPORT.replacements["adamw"] == 1
     for p, q in zip(model.parameters(), eager_model.parameters()):
         torch.testing.assert_close(p, q, **EAGER_TOL[torch.bfloat16])

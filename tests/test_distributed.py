@@ -19,7 +19,10 @@ from compile_stack import settings
 from compile_stack.check import TOLERANCES
 from compile_stack.config import PRESETS
 from compile_stack.reference import AdamW, build_model
-from compile_stack.step import StepOptions, TrainStep
+import compile_stack
+from compile_stack.reference import cross_entropy
+from compile_stack.user_step import StepOptions
+from run_step import make_train_step
 from compile_stack.stock import StockStep
 from tests.helpers import HAS_CUDA, rel_err
 
@@ -68,7 +71,7 @@ def _worker(rank, port, out_dir, cfg, cases, codegen):
     out = {"dist": {}, "single": {}}
     for name, (dtype, compiled) in cases.items():
         model = _model(cfg, dtype, device)
-        step = D.DistributedTrainStep(model, AdamW, StepOptions(compile=compiled, codegen=codegen))
+        step = D.DistributedTrainStep(model, AdamW, StepOptions(codegen=codegen) if compiled else None)
         losses = [step(D.shard_batch(x, rank, world), D.shard_batch(y, rank, world)).item()
                   for x, y in _batches(cfg, device)]
         out["dist"][name] = {
@@ -90,7 +93,8 @@ def _worker(rank, port, out_dir, cfg, cases, codegen):
             continue
         model = _model(cfg, dtype, device)
         out["single"][name] = {"init": _to_cpu(dict(model.named_parameters()))}
-        step = TrainStep(model, AdamW(model.parameters()), StepOptions(compile=compiled, codegen=codegen))
+        step = make_train_step(model, cross_entropy, AdamW(model.parameters()))
+        step = compile_stack.compile_step(step, codegen=codegen) if compiled else step
         out["single"][name]["losses"] = [step(x, y).item() for x, y in _batches(cfg, device)]
         out["single"][name]["params"] = _to_cpu(dict(model.named_parameters()))
     if device.type == "cpu" and len(cases) % world == rank:

@@ -5,11 +5,13 @@ import torch
 from compile_stack import memory
 from compile_stack.capture import PassBackend
 from compile_stack.config import PRESETS, ModelConfig
-from compile_stack.reference import AdamW, Block, RotaryEmbedding, build_model
-from compile_stack.step import StepOptions, TrainStep
+import compile_stack
+from compile_stack.reference import AdamW, Block, RotaryEmbedding, build_model, cross_entropy
+from run_step import make_train_step
 
-# Block proportions of the full preset (d_ff ≈ 2.7·d, head dim 64), small enough for the CPU.
-CFG = ModelConfig(layers=1, seq=64, batch=2, d_model=128, heads=2, d_ff=344, vocab=256)
+# Block proportions of the full preset (d_ff ≈ 2.7·d, head dim 64), small enough for the CPU; two
+# blocks, so that they compile as one block graph between the embedding and the head.
+CFG = ModelConfig(layers=2, seq=64, batch=2, d_model=128, heads=2, d_ff=344, vocab=256)
 OUR_FORWARD_OPS = ("flash_attention_fwd", "linear_cross_entropy_fwd")
 
 
@@ -23,7 +25,8 @@ def _activation_bytes(fwd: torch.fx.GraphModule, skip_outputs: int = 0) -> int:
 
 
 def _partition_at(budget: float) -> tuple[dict, float]:
-    """Compile one regional step at ``budget``; per graph: activation bytes saved, ops recomputed."""
+    """Compile one step at ``budget``; per graph (the embedding, the block, head + loss, in the order
+    they are compiled): activation bytes saved, ops recomputed."""
     partition = torch._functorch.partitioners.min_cut_rematerialization_partition
     graphs = {}
 
@@ -38,8 +41,8 @@ def _partition_at(budget: float) -> tuple[dict, float]:
     torch.manual_seed(0)
     model = build_model(CFG, "cpu", torch.float32)
     ids = torch.randint(CFG.vocab, (CFG.batch, CFG.seq))
-    options = StepOptions(compile=True, memory_budget=budget, codegen=False, regional=True)
-    step = TrainStep(model, AdamW(model.parameters()), options)
+    step = compile_stack.compile_step(make_train_step(model, cross_entropy, AdamW(model.parameters())),
+                                      memory_budget=budget, codegen=False)
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr("compile_stack.capture.min_cut_rematerialization_partition", spy)
         loss = step(ids, ids).item()
