@@ -18,12 +18,16 @@ and float hyper-parameters are traced as symbols from the first compile:
 a scheduler changing ``lr`` between steps does not recompile it.
 
 Nothing of the user's objects is edited for longer than a call: while the
-compiled step runs, each found optimizer's ``step`` attribute routes to its
-compiled update, and is put back afterwards.
+compiled step runs, each found optimizer's ``step`` routes to its compiled
+update and its ``zero_grad`` runs as a graph break, each block's ``forward``
+routes to its block call, and torch.optim's ``foreach`` flag reads False;
+afterwards all are as they were.
 """
 import contextlib
 import dataclasses
+import dis
 import functools
+import re
 from collections.abc import Callable
 from pathlib import Path
 
@@ -34,6 +38,7 @@ from compile_stack.blocks import BlockCalls
 from compile_stack.capture import PassBackend
 from compile_stack.inspection import InspectionWriter
 from custom_ops.checks import require
+from passes.registry import note
 
 
 @dataclasses.dataclass
@@ -68,11 +73,13 @@ def is_optimizer(obj) -> bool:
 
 
 def find_reachable(fn: Callable, wanted: Callable[[object], bool]) -> list:
-    """The objects ``fn`` reaches by name (its closure cells, and the globals its code names)
-    for which ``wanted`` holds, each once."""
+    """The objects ``fn`` reaches by name (its closure cells, the globals its code names, and a
+    bound method's object's attributes) for which ``wanted`` holds, each once."""
+    owner = getattr(fn, "__self__", None)
     fn = inspect_target(fn)
     found = []
-    candidates = [cell.cell_contents for cell in (fn.__closure__ or ()) if _has_contents(cell)]
+    candidates = list(vars(owner).values()) if owner is not None and hasattr(owner, "__dict__") else []
+    candidates += [cell.cell_contents for cell in (fn.__closure__ or ()) if _has_contents(cell)]
     candidates += [fn.__globals__[name] for name in _global_names(fn.__code__) if name in fn.__globals__]
     for obj in candidates:
         if wanted(obj) and all(obj is not seen for seen in found):
@@ -134,8 +141,6 @@ def step_counter_sources(optimizer) -> str:
     ``CompiledOptimizerStep`` makes the named floats symbolic, and keeps a
     hand-written optimizer's floats constants.
     """
-    import re
-
     this = CompiledOptimizerStep.SELF_SOURCE
 
     floats = type(optimizer).__module__.startswith("torch.optim.")
@@ -181,8 +186,6 @@ class CompiledOptimizerStep:
         self.original = optimizer.step
         stores = self._attribute_stores(optimizer)
         if stores:
-            from passes.registry import note
-
             note("optimizer", f"{type(optimizer).__name__}.step runs eagerly: it assigns attributes "
                               f"({', '.join(sorted(stores))}), which Dynamo drops for torch.optim.Optimizer subclasses")
         # Eagerly means wholly outside Dynamo: a non-recursive disable would let the train step's compile trace it.
@@ -222,8 +225,6 @@ class CompiledOptimizerStep:
     def _attribute_stores(optimizer) -> set[str]:
         """Attributes a hand-written ``torch.optim.Optimizer`` subclass's ``step`` assigns (but a
         tensor's ``data``/``grad``); empty for others, whose attribute stores Dynamo keeps."""
-        import dis
-
         if not isinstance(optimizer, torch.optim.Optimizer) or type(optimizer).__module__.startswith("torch.optim."):
             return set()
         fn = inspect_target(type(optimizer).step)
@@ -238,8 +239,6 @@ class CompiledOptimizerStep:
     def _dynamic_floats(cls, sources: str, static: bool):
         """Floats named in ``sources`` symbolic from their first value; with ``static``, the
         optimizer's other floats constants at every value."""
-        import re
-
         from torch._dynamo import pgo
         from torch._dynamo.variables import builder
 

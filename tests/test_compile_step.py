@@ -201,3 +201,29 @@ def test_freeing_the_compiled_step_frees_the_model():
     torch._dynamo.reset()
     gc.collect()
     assert weight() is None
+
+
+def test_a_trainers_bound_method_finds_its_model_and_optimizer():
+    """The step as a method of the user's trainer: its model and optimizer are attributes."""
+    torch._dynamo.reset()
+    registry.REPORT.clear()
+
+    class Trainer:
+        def __init__(self):
+            self.model = gpt(2)
+            self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=1e-3)
+
+        def train_step(self, inputs, targets):
+            self.optimizer.zero_grad(set_to_none=True)
+            loss = mean_cross_entropy(self.model(inputs), targets)
+            loss.backward()
+            self.optimizer.step()
+            return loss
+
+    trainer = Trainer()
+    step = compile_stack.compile_step(trainer.train_step, codegen=False)
+    for inputs, targets in batches(2):
+        step(inputs, targets)
+    assert [s.optimizer for s in step.optimizer_steps] == [trainer.optimizer]
+    assert [c.blocks for c in step.block_calls] == [list(trainer.model.layers)]
+    assert registry.REPORT.replacements["attention"] == 2 and registry.REPORT.replacements["adamw"] == 1
