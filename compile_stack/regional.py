@@ -1,7 +1,11 @@
-"""Regional compilation: the loss compiled piece by piece, each block's code once.
+"""The reference model's loss compiled piece by piece, for its FSDP2 step only.
 
-Compiled whole, the model is one Dynamo graph with every block inlined, and
-Inductor's work grows with the layer count. ``BlockwiseLoss`` computes the same
+In one process ``compile_step`` finds and compiles any model's repeated blocks
+(``blocks.py``). Under FSDP2 the hooks around each block split the forward
+there, and this spelled-out form is what keeps the reference model's LM head
+and loss in one graph (``distributed.py``).
+
+``BlockwiseLoss`` computes the same
 ``cross_entropy(model(inputs), targets).sum()`` from three compiled pieces:
 the embedding lookup, a block's forward (one graph that every block reuses:
 Dynamo keys it on the code, and the parameters are graph inputs), and the
@@ -10,8 +14,7 @@ sees the projection and the loss together. The glue between the pieces is a
 Python loop over the blocks; no tensor op runs outside compiled code.
 
 The price: this spells out the reference ``Transformer.forward`` (embedding,
-blocks, norm, head), so it serves models of that structure only. It is also
-the unit FSDP2 shards in the data-parallel step (``distributed.py``).
+blocks, norm, head), so it serves models of that structure only.
 """
 import torch
 import torch.nn as nn
