@@ -377,6 +377,8 @@ def _coefficients(readings):
     ts = [r[1] for r in readings]
     bc1 = [1 - beta1**t for t in ts]
     bc2 = [1 - beta2**t for t in ts]
+    if not all(b1 != 0 and b2 > 0 for b1, b2 in zip(bc1, bc2)):  # no bias correction to read lr through
+        return None
     lrs = [r[0][3] * b1 / math.sqrt(b2) for r, b1, b2 in zip(readings, bc1, bc2)]
     if not all(math.isfinite(lr) and lr > 0 for lr in lrs):
         return None
@@ -528,19 +530,23 @@ def _prove(chains: list[_Chain], graph: Graph, flow: _Flow, order) -> list[_Chai
             ts = [_as_float(env[chain.step]) for env in envs]
         else:
             ts = [1.0] * len(envs)  # t baked in: step 1 with the lr and weight decay that give the same update
+        # AdamW is defined from step 1: a probe whose exponent is below it (a step read before the
+        # count is incremented) says nothing, and would divide by a zero bias correction.
+        valid = [(env, out, t) for env, out, t in zip(envs, outputs, ts) if t >= 1]
         readings = []
-        for env, out, t in zip(envs, outputs, ts):
+        for _, out, t in valid:
             read = _read_off(*out)
             if read is None:
                 break
             readings.append((read, t, out))
-        proven_update = _coefficients(readings) if len(readings) == len(envs) else None
+        enough = len(readings) == len(valid) and len(valid) >= min(2, len(envs))
+        proven_update = _coefficients(readings) if enough else None
         if proven_update is None:
             note(NAME, f"left {chain} alone: its update is not AdamW's (reference or torch.optim form) "
                        "with constant betas, eps and weight decay")
             continue
         chain.coefficients, lrs = proven_update
-        chain.lr = (lrs[0],) if _close(lrs) else _lr_source(chain, envs, lrs, flow, order)
+        chain.lr = (lrs[0],) if _close(lrs) else _lr_source(chain, [env for env, _, _ in valid], lrs, flow, order)
         if chain.lr is None:
             note(NAME, f"left {chain} alone: its lr changes with the scalar inputs but is no multiple of "
                        "one value the graph computes")
