@@ -137,7 +137,16 @@ class StagePass(CustomGraphPass):
         if self.observer:
             self.observer(self.stage, graph, "before")
         for p in self.passes:
-            count = p.fn(graph)
+            before = _shape(graph)
+            try:
+                count = p.fn(graph)
+            except Exception as e:
+                if not _same_shape(before, _shape(graph)):
+                    raise  # half rewritten: no way on that keeps the graph right
+                # Never an exception where eager works: a pass that fails before changing
+                # anything leaves the graph as the user wrote it.
+                note(p.name, f"failed and left the graph as it was ({type(e).__name__}: {e})")
+                continue
             if count:
                 graph.lint()
                 REPORT.replacements[p.name] += count
@@ -147,6 +156,16 @@ class StagePass(CustomGraphPass):
     def uuid(self) -> bytes:
         files = tuple(sorted({p.source_file for p in self.passes} | {__file__, graph_edit.__file__}))
         return get_hash_for_files(files, extra=self.stage + ":" + ",".join(p.name for p in self.passes))
+
+
+def _shape(graph: torch.fx.Graph) -> list[tuple]:
+    """Each node with its target and argument objects: a node edit replaces one of them."""
+    return [(n, n.op, n.target, n.args, n.kwargs) for n in graph.nodes]
+
+
+def _same_shape(a: list[tuple], b: list[tuple]) -> bool:
+    return len(a) == len(b) and all(x[0] is y[0] and x[1] == y[1] and x[2] is y[2] and x[3] is y[3] and x[4] is y[4]
+                                    for x, y in zip(a, b))
 
 
 def stage_passes(passes: list[RegisteredPass], observer=None) -> dict[str, StagePass]:

@@ -119,3 +119,33 @@ def test_default_pipeline_is_the_project_passes_only():
     assert "test_only_probe" not in pipeline
     assert set(pipeline) == {"param_data", "attention", "cross_entropy", "adamw"}
     assert [p.name for p in registry.resolve(["test_only_probe"])] == ["test_only_probe"]
+
+
+def _failing_pass(edit_first: bool):
+    def fail(graph):
+        if edit_first:
+            node = next(n for n in graph.nodes if n.op == "call_function")
+            node.args = tuple(node.args)  # a new argument tuple: an edit
+        raise RuntimeError("boom")
+
+    return fail
+
+
+def test_a_pass_that_fails_before_editing_leaves_the_graph_and_notes_it(monkeypatch):
+    """Never an exception where eager works: the step compiles as written, with a note."""
+    monkeypatch.setitem(registry._PASSES, "probe_fail", registry.RegisteredPass("probe_fail", "joint", _failing_pass(False)))
+    registry.REPORT.clear()
+    torch._dynamo.reset()
+    x = torch.randn(3, requires_grad=True)
+    out = torch.compile(lambda t: (t.sin() * 2).sum(), backend=PassBackend(["probe_fail"], codegen=False))(x)
+    out.backward()
+    torch.testing.assert_close(x.grad, 2 * x.detach().cos())
+    assert any(n.startswith("probe_fail: failed and left the graph as it was (RuntimeError: boom)")
+               for n in registry.REPORT.notes)
+
+
+def test_a_pass_that_fails_after_editing_raises(monkeypatch):
+    monkeypatch.setitem(registry._PASSES, "probe_fail", registry.RegisteredPass("probe_fail", "joint", _failing_pass(True)))
+    torch._dynamo.reset()
+    with pytest.raises(Exception, match="boom"):
+        torch.compile(lambda t: t.sin() * 2, backend=PassBackend(["probe_fail"], codegen=False))(torch.randn(3))
