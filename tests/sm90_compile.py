@@ -26,7 +26,7 @@ from triton.experimental.gluon._runtime import GluonASTSource
 from triton.runtime.jit import mangle_type
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-from custom_ops import attention as A  # noqa: E402
+from custom_ops.attention import configs, gluon_kernels, triton_kernels  # noqa: E402
 
 
 def _desc(rows: int, d: int) -> str:
@@ -35,10 +35,11 @@ def _desc(rows: int, d: int) -> str:
 
 def kernel_sources(d: int):
     """(name, ASTSource, tiles) of the causal bf16 forward, dK/dV and dQ kernels for head dim d."""
-    cfg = A.CONFIGS[(d, torch.bfloat16)]
+    cfg = configs.CONFIGS[(d, torch.bfloat16)]
     scalars = {"qk_scale": "fp32", "H": "i32", "SQ": "i32", "SK": "i32"}
-    for name, fn, outputs in (("fwd", A._attn_fwd_kernel, ("O",)), ("dkdv", A._attn_bwd_dkdv_kernel, ("DK", "DV")),
-                              ("dq", A._attn_bwd_dq_kernel, ("DQ",))):
+    for name, fn, outputs in (("fwd", triton_kernels._attn_fwd_kernel, ("O",)),
+                              ("dkdv", triton_kernels._attn_bwd_dkdv_kernel, ("DK", "DV")),
+                              ("dq", triton_kernels._attn_bwd_dq_kernel, ("DQ",))):
         t = getattr(cfg, name)
         sig = {"q_desc": _desc(t.block_m, d), "k_desc": _desc(t.block_n, d), "v_desc": _desc(t.block_n, d)}
         if name != "fwd":
@@ -52,24 +53,25 @@ def kernel_sources(d: int):
 
 
 def _gluon_desc(rows: int, dtype: torch.dtype) -> str:
-    return mangle_type(A._rows_desc(torch.empty(512, 128, dtype=dtype), rows))
+    return mangle_type(gluon_kernels._rows_desc(torch.empty(512, 128, dtype=dtype), rows))
 
 
 def gluon_sources():
     """(name, GluonASTSource, tiles) of the Gluon forward and backward: causal bf16 and non-causal fp16."""
-    fwd, bwd = A.HOPPER_FWD, A.HOPPER_BWD
+    fwd, bwd = configs.HOPPER_FWD, configs.HOPPER_BWD
     for dtype, causal in ((torch.bfloat16, True), (torch.float16, False)):
         tensor = mangle_type(torch.empty(0, dtype=dtype))
         kernels = {
-            "hopper_fwd": (A._attn_fwd_hopper_kernel, fwd, {
+            "hopper_fwd": (gluon_kernels._attn_fwd_hopper_kernel, fwd, {
                 "q_desc": _gluon_desc(fwd.block_m, dtype), "k_desc": _gluon_desc(fwd.block_n, dtype),
                 "v_desc": _gluon_desc(fwd.block_n, dtype), "o_desc": _gluon_desc(fwd.block_m // 2, dtype),
                 "LSE": "*fp32", "qk_scale": "fp32", "SQ": "i32", "SK": "i32",
-            }, {"COMPUTE_REGS": A.HOPPER_FWD_COMPUTE_REGS}),
-            "hopper_bwd": (A._attn_bwd_hopper_kernel, bwd, {
+            }, {"COMPUTE_REGS": configs.HOPPER_FWD_COMPUTE_REGS}),
+            "hopper_bwd": (gluon_kernels._attn_bwd_hopper_kernel, bwd, {
                 "q_desc": _gluon_desc(bwd.block_m, dtype), "k_desc": _gluon_desc(bwd.block_n, dtype),
                 "v_desc": _gluon_desc(bwd.block_n, dtype), "do_desc": _gluon_desc(bwd.block_m, dtype),
-                "dq_desc": mangle_type(A._fragments_desc(torch.empty(512, 128))), "DK": tensor, "DV": tensor,
+                "dq_desc": mangle_type(gluon_kernels._fragments_desc(torch.empty(512, 128))),
+                "DK": tensor, "DV": tensor,
                 "STATS": "*fp32", "qk_scale": "fp32", "scale": "fp32", "SQ": "i32", "SK": "i32",
             }, {"num_warps": bwd.num_warps}),
         }
@@ -95,7 +97,7 @@ def spill_bytes(ptx: str) -> int:
 
 def main() -> None:
     shared, spills = {}, {}
-    sources = [(f"{name} D{d}", src, t) for d in A.HEAD_DIMS for name, src, t in kernel_sources(d)]
+    sources = [(f"{name} D{d}", src, t) for d in configs.HEAD_DIMS for name, src, t in kernel_sources(d)]
     for name, src, t in sources + list(gluon_sources()):
         kernel = triton.compile(src, target=GPUTarget("cuda", 90, 32),
                                 options={"num_warps": t.num_warps, "num_stages": t.num_stages})

@@ -1,0 +1,383 @@
+"""The Gluon kernels for Hopper (sm_90) and their launchers: a warp-specialized forward
+(``hopper_fwd``) and a one-pass backward (``hopper_bwd``: five tile matmuls per tile pair where
+the two Triton kernels need seven). The CUDA ops run them on the inputs ``uses_hopper_kernels``
+accepts (16-bit, D = 128, whole 128-row tiles); BENCHMARKS.md has the figures.
+
+Backward: the Triton backward recomputes S = QKᵀ and dP = dO·Vᵀ in both of its kernels: seven
+tile matmuls per (query tile, key tile). One pass needs five, but its dQ = dS·K must be summed
+over key tiles, and Triton 3.6 gave no layout that kept dK, dV, S, dP and dQ in registers
+(one-pass Triton variants measured slower than the two kernels). Gluon, Triton's lower-level
+language, exposes the pieces: each program owns 128 keys in two warp groups; S and dP have
+queries as rows, each warp group holding 64 of the keys; P and dS go to shared memory, so every
+later matmul reads both operands from there (dV += Pᵀ·dO and dK += dSᵀ·Q, each warp group its
+own keys; dQ = dS·K, each half of D); dQ is added into an fp32 buffer by the copy engine (a TMA
+reduce-add). Two data layouts decide much of its speed:
+- dQ's tile goes to shared memory, and so to the fp32 buffer, in its accumulator's register
+  order (``DQ_FRAGMENTS``), not row-major: a warp's 64-bit stores then fill all 32 banks per
+  half-warp, where in the 128-byte-swizzled row-major tile a half-warp covered 4 rows and 16
+  banks (twice the ideal wavefronts on every dQ store). ``_attn_dq_from_fragments_kernel``
+  puts the summed buffer back in row order as it casts it.
+- Each query tile's lse·log2(e) and delta come from one buffer (``_delta`` given lse, in tiles
+  of ``HOPPER_BWD_ROWS``), side by side: one pointer live through the loop instead of two
+  leaves ptxas fewer spills.
+
+Forward: FA3's layout: one program per 128 queries, warp-specialized into a load warp and two
+compute warp groups of 64 queries each, 128-key K/V tiles in a 3-deep shared-memory ring. A
+group issues its QKᵀ of tile j before its P·V of tile j-1 (P the register operand), so the
+softmax of tile j runs while P·V of tile j-1 is on the tensor cores; the groups sync with the
+load warp through mbarriers only, never with each other.
+"""
+import math
+
+import torch
+import triton
+import triton.language as tl
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import (
+    fence_async_shared, mbarrier, tma, warpgroup_mma, warpgroup_mma_init, warpgroup_mma_wait)
+from triton.experimental.gluon.nvidia.hopper import TensorDescriptor as GluonTensorDescriptor
+
+from custom_ops.attention.configs import (
+    DQ_FRAGMENT_ROW, HOPPER_BWD, HOPPER_FWD, HOPPER_FWD_COMPUTE_REGS, LOG2E, _LN2)
+from custom_ops.attention.triton_kernels import _as_4d, _delta, _empty_bwd, _empty_fwd, _no_heads
+
+
+# --------------------------------------------------------------------------- backward
+
+# Offset bit i of a dQ tile holds the element of bit i of (register pair, lane, register, warp)
+# in dQ's wgmma accumulator layout (``_dq_layout(128, 2)``: 64 x 128, 4 x 2 warps).
+DQ_FRAGMENTS = gl.constexpr(gl.SharedLinearLayout(
+    offset_bases=[[0, 1], [0, 2], [0, 4], [1, 0], [2, 0], [4, 0], [8, 0], [0, 8], [0, 16], [0, 32],
+                  [16, 0], [32, 0], [0, 64]], alignment=128))
+
+
+@gluon.constexpr_function
+def _dq_layout(head_d, groups):
+    """dQ = dS·K's accumulator: queries as rows, the warp groups side by side over D."""
+    return gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, groups], instr_shape=[16, head_d // groups, 16])
+
+
+@gl._core.builtin
+def _tma_reduce_add(tensor_desc, coord, src, _semantic=None):
+    """Add a shared-memory tile into global memory through the copy engine
+    (``cp.reduce.async.bulk.tensor``). Triton 3.6's Gluon has the IR op but no wrapper."""
+    from triton._C.libtriton import ir
+    coord = _semantic._convert_to_ir_values(coord, require_i64=False)
+    _semantic.builder.create_async_tma_reduce(ir.DESCRIPTOR_REDUCE_KIND.ADD, tensor_desc.handle, coord, src.handle)
+
+
+@gluon.jit
+def _load_query_tile(q_desc, do_desc, q_smem, do_smem, ready, slot, row, pred):
+    """Start the TMA loads of Q's and dO's tile at ``row`` into ring slot ``slot`` (if ``pred``)."""
+    mbarrier.expect(ready.index(slot), 2 * q_desc.block_type.nbytes, pred=pred)
+    tma.async_copy_global_to_shared(q_desc, [row, 0], ready.index(slot), q_smem.index(slot), pred=pred)
+    tma.async_copy_global_to_shared(do_desc, [row, 0], ready.index(slot), do_smem.index(slot), pred=pred)
+
+
+@gluon.jit
+def _attn_bwd_hopper_kernel(q_desc, k_desc, v_desc, do_desc, dq_desc, DK, DV, STATS, qk_scale, scale, SQ, SK,
+                            IS_CAUSAL: gl.constexpr, HEAD_D: gl.constexpr, BLOCK_M: gl.constexpr,
+                            BLOCK_N: gl.constexpr, STAGES: gl.constexpr, num_warps: gl.constexpr):
+    # q/dO descriptors read [B·H·SQ, D] and k/v [B·H·SK, D]; dQ's, one query tile per box of its
+    # fp32 buffer (``_fragments_desc``); SQ and SK are whole tiles.
+    start_n = gl.program_id(0) * BLOCK_N
+    zh = gl.program_id(1)
+    q_row0 = zh * SQ
+    dtype: gl.constexpr = q_desc.dtype
+    GROUPS: gl.constexpr = num_warps // 4
+    # S, dP and dQ: queries as rows, the warp groups side by side; dK, dV: keys as rows.
+    L_S: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, GROUPS],
+                                                  instr_shape=[16, BLOCK_N // GROUPS, 16])
+    L_DQ: gl.constexpr = _dq_layout(HEAD_D, GROUPS)
+    L_KV: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
+                                                   instr_shape=[16, HEAD_D, 16])
+    PS_SHARED: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, BLOCK_N], dtype)
+
+    k_smem = gl.allocate_shared_memory(dtype, [BLOCK_N, HEAD_D], k_desc.layout)
+    v_smem = gl.allocate_shared_memory(dtype, [BLOCK_N, HEAD_D], v_desc.layout)
+    q_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, HEAD_D], q_desc.layout)
+    do_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, HEAD_D], do_desc.layout)
+    p_smem = gl.allocate_shared_memory(dtype, [BLOCK_M, BLOCK_N], PS_SHARED)
+    ds_smem = gl.allocate_shared_memory(dtype, [BLOCK_M, BLOCK_N], PS_SHARED)
+    dq_smem = gl.allocate_shared_memory(gl.float32, [BLOCK_M, HEAD_D], DQ_FRAGMENTS)
+    dq_box = dq_smem._reinterpret(gl.float32, dq_desc.block_type.shape, dq_desc.layout)  # what the TMA reads
+    kv_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    mbarrier.init(kv_bar, count=1)
+    for i in gl.static_range(STAGES):
+        mbarrier.init(ready.index(i), count=1)
+    mbarrier.expect(kv_bar, 2 * k_desc.block_type.nbytes)
+    tma.async_copy_global_to_shared(k_desc, [zh * SK + start_n, 0], kv_bar, k_smem)
+    tma.async_copy_global_to_shared(v_desc, [zh * SK + start_n, 0], kv_bar, v_smem)
+
+    # Causal: the first query tile that sees a key of this tile (BLOCK_N is a multiple of BLOCK_M).
+    lo = start_n if IS_CAUSAL else 0
+    n_iter = (SQ - lo) // BLOCK_M
+    for i in gl.static_range(STAGES - 1):  # Q and dO of the first tiles, in a STAGES-deep ring
+        _load_query_tile(q_desc, do_desc, q_smem, do_smem, ready, i, q_row0 + lo + i * BLOCK_M, i < n_iter)
+
+    dk = warpgroup_mma_init(gl.zeros([BLOCK_N, HEAD_D], gl.float32, L_KV))
+    dv = warpgroup_mma_init(gl.zeros([BLOCK_N, HEAD_D], gl.float32, L_KV))
+    offs_m = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, L_S))
+    cols = start_n + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, L_S))
+    mbarrier.wait(kv_bar, 0)
+    for i in range(n_iter):
+        stage = i % STAGES
+        mbarrier.wait(ready.index(stage), (i // STAGES) & 1)
+        q = q_smem.index(stage)
+        do = do_smem.index(stage)
+        start_m = lo + i * BLOCK_M
+        rows = start_m + offs_m
+        stats = STATS + (q_row0 + start_m) * 2  # this tile's lse·log2(e), then its delta
+        lse2 = gl.load(stats + offs_m)
+        delta = gl.load(stats + BLOCK_M + offs_m)
+        s_tok = warpgroup_mma(q, k_smem.permute((1, 0)), gl.zeros([BLOCK_M, BLOCK_N], gl.float32, L_S),
+                              use_acc=False, is_async=True)
+        dp_tok = warpgroup_mma(do, v_smem.permute((1, 0)), gl.zeros([BLOCK_M, BLOCK_N], gl.float32, L_S),
+                               use_acc=False, is_async=True)
+        # Waiting for S retires the last tile's dV and dK as well; after the barrier neither
+        # warp group reads its Q/dO stage, P or dS any more.
+        s, dk, dv = warpgroup_mma_wait(1, deps=(s_tok, dk, dv))
+        gl.thread_barrier()
+        nxt = i + STAGES - 1
+        _load_query_tile(q_desc, do_desc, q_smem, do_smem, ready, nxt % STAGES, q_row0 + lo + nxt * BLOCK_M,
+                         nxt < n_iter)
+        p = gl.exp2(s * qk_scale - gl.expand_dims(lse2, 1))
+        if IS_CAUSAL:
+            if start_m < start_n + BLOCK_N:
+                p = gl.where(gl.expand_dims(rows, 1) >= gl.expand_dims(cols, 0), p, 0.0)
+        p_smem.store(p.to(dtype))
+        dp = warpgroup_mma_wait(0, deps=(dp_tok,))
+        ds = p * (dp - gl.expand_dims(delta, 1)) * scale
+        ds_smem.store(ds.to(dtype))
+        fence_async_shared()
+        gl.thread_barrier()
+        dq_tok = warpgroup_mma(ds_smem, k_smem, gl.zeros([BLOCK_M, HEAD_D], gl.float32, L_DQ), use_acc=False,
+                               is_async=True)
+        dv = warpgroup_mma(p_smem.permute((1, 0)), do, dv, is_async=True)
+        dk = warpgroup_mma(ds_smem.permute((1, 0)), q, dk, is_async=True)
+        dq = warpgroup_mma_wait(2, deps=(dq_tok,))  # dV and dK stay in flight into the next tile
+        tma.store_wait(0)  # the last tile's reduce has read dq_smem
+        gl.thread_barrier()
+        dq_smem.store(dq)
+        fence_async_shared()
+        gl.thread_barrier()
+        _tma_reduce_add(dq_desc, [(q_row0 + start_m) // BLOCK_M * dq_box.shape[0], 0], dq_box)
+    dk, dv = warpgroup_mma_wait(0, deps=(dk, dv))
+    tma.store_wait(0)
+    mbarrier.invalidate(kv_bar)
+    for i in gl.static_range(STAGES):
+        mbarrier.invalidate(ready.index(i))
+    # The key rows' base again from q_row0: one register less live through the loop, which
+    # ptxas repays with fewer spills and the kernel with less time (BENCHMARKS.md).
+    out_rows = (q_row0 // SQ) * SK + start_n + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, L_KV))
+    out_cols = gl.arange(0, HEAD_D, layout=gl.SliceLayout(0, L_KV))
+    out = gl.expand_dims(out_rows.to(gl.int64) * HEAD_D, 1) + gl.expand_dims(out_cols, 0)
+    gl.store(DK + out, dk.to(dtype))
+    gl.store(DV + out, dv.to(dtype))
+
+
+# --------------------------------------------------------------------------- forward
+
+
+@gluon.jit
+def _fwd_hopper_load(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, ready, empty, q_row, k_row0, n_iter):
+    """The load warp: Q once, then K and V tiles into the ring as the compute groups free slots."""
+    STAGES: gl.constexpr = k_smem.type.shape[0]
+    BLOCK_N: gl.constexpr = k_smem.type.shape[1]
+    mbarrier.expect(q_bar, q_desc.block_type.nbytes)
+    tma.async_copy_global_to_shared(q_desc, [q_row, 0], q_bar, q_smem)
+    for j in range(n_iter):
+        slot = j % STAGES
+        mbarrier.wait(empty.index(slot), ((j // STAGES) & 1) ^ 1)  # the first round passes
+        mbarrier.expect(ready.index(slot), 2 * k_desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(k_desc, [k_row0 + j * BLOCK_N, 0], ready.index(slot), k_smem.index(slot))
+        tma.async_copy_global_to_shared(v_desc, [k_row0 + j * BLOCK_N, 0], ready.index(slot), v_smem.index(slot))
+
+
+@gluon.jit
+def _mask_after_diagonal(s, rows, start_n, start_m, IS_CAUSAL: gl.constexpr):
+    """Causal: scores of the key tile at ``start_n`` set to -inf where the key comes after the
+    query (``rows``: the queries' positions); only tiles reaching the diagonal do any work."""
+    if IS_CAUSAL:
+        BLOCK_N: gl.constexpr = s.type.shape[1]
+        if start_n + BLOCK_N > start_m:
+            cols = start_n + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s.type.layout))
+            s = gl.where(gl.expand_dims(rows, 1) >= gl.expand_dims(cols, 0), s, float("-inf"))
+    return s
+
+
+@gluon.jit
+def _fwd_hopper_compute(GROUP: gl.constexpr, o_desc, q_smem, k_smem, v_smem, q_bar, ready, empty, LSE, qk_scale,
+                        q_row, start_m, n_iter, IS_CAUSAL: gl.constexpr):
+    """One compute warp group: online softmax over the key tiles for its 64 queries, then O
+    through its (no longer needed) Q rows in shared memory and a TMA store."""
+    STAGES: gl.constexpr = k_smem.type.shape[0]
+    BLOCK_N: gl.constexpr = k_smem.type.shape[1]
+    HEAD_D: gl.constexpr = k_smem.type.shape[2]
+    ROWS: gl.constexpr = o_desc.block_type.shape[0]
+    dtype: gl.constexpr = k_smem.dtype
+    L_S: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK_N, 16])
+    L_O: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, HEAD_D, 16])
+    P_OPERAND: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=L_O, k_width=2)
+    q = q_smem.slice(GROUP * ROWS, ROWS)
+    rows = start_m + GROUP * ROWS + gl.arange(0, ROWS, layout=gl.SliceLayout(1, L_S))
+    acc = gl.zeros([ROWS, HEAD_D], gl.float32, L_O)
+    mbarrier.wait(q_bar, 0)
+    mbarrier.wait(ready.index(0), 0)
+    # Tile 0 alone: S, then P; the loop then runs P·V of tile j-1 under the softmax of tile j.
+    s = warpgroup_mma(q, k_smem.index(0).permute((1, 0)), gl.zeros([ROWS, BLOCK_N], gl.float32, L_S), use_acc=False)
+    s = _mask_after_diagonal(s, rows, 0, start_m, IS_CAUSAL)
+    # Scores stay unscaled; scale*log2(e) is folded into the exp2 argument.
+    m_i = gl.max(s, 1) * qk_scale
+    p = gl.exp2(s * qk_scale - gl.expand_dims(m_i, 1))
+    l_i = gl.sum(p, 1)
+    p = gl.convert_layout(p.to(dtype), P_OPERAND)
+    for j in range(1, n_iter):
+        slot = j % STAGES
+        prev = (j - 1) % STAGES
+        mbarrier.wait(ready.index(slot), (j // STAGES) & 1)
+        s_tok = warpgroup_mma(q, k_smem.index(slot).permute((1, 0)), gl.zeros([ROWS, BLOCK_N], gl.float32, L_S),
+                              use_acc=False, is_async=True)
+        acc = warpgroup_mma(p, v_smem.index(prev), acc, is_async=True)
+        s = _mask_after_diagonal(warpgroup_mma_wait(1, deps=(s_tok,)), rows, j * BLOCK_N, start_m, IS_CAUSAL)
+        m_new = gl.maximum(m_i, gl.max(s, 1) * qk_scale)
+        p_new = gl.exp2(s * qk_scale - gl.expand_dims(m_new, 1))
+        alpha = gl.exp2(m_i - m_new)
+        l_i = l_i * alpha + gl.sum(p_new, 1)
+        m_i = m_new
+        acc, p = warpgroup_mma_wait(0, deps=(acc, p))
+        mbarrier.arrive(empty.index(prev), count=1)  # this group is done with tile j-1's K and V
+        acc = acc * gl.expand_dims(gl.convert_layout(alpha, gl.SliceLayout(1, L_O)), 1)
+        p = gl.convert_layout(p_new.to(dtype), P_OPERAND)
+    acc = warpgroup_mma(p, v_smem.index((n_iter - 1) % STAGES), acc)
+    acc = acc / gl.expand_dims(gl.convert_layout(l_i, gl.SliceLayout(1, L_O)), 1)
+    gl.store(LSE + rows, (m_i + gl.log2(l_i)) * _LN2)
+    q.store(acc.to(dtype))  # only this group reads these Q rows
+    fence_async_shared()
+    gl.thread_barrier()  # of this warp group
+    tma.async_copy_shared_to_global(o_desc, [q_row + GROUP * ROWS, 0], q)
+    tma.store_wait(0)
+
+
+@gluon.jit
+def _attn_fwd_hopper_kernel(q_desc, k_desc, v_desc, o_desc, LSE, qk_scale, SQ, SK,
+                            IS_CAUSAL: gl.constexpr, HEAD_D: gl.constexpr, BLOCK_M: gl.constexpr,
+                            BLOCK_N: gl.constexpr, STAGES: gl.constexpr, COMPUTE_REGS: gl.constexpr):
+    # Descriptors read [B·H·S, D]; SQ and SK are whole tiles. Largest causal query tiles first.
+    start_m = (gl.num_programs(0) - 1 - gl.program_id(0)) * BLOCK_M
+    zh = gl.program_id(1)
+    dtype: gl.constexpr = q_desc.dtype
+    q_smem = gl.allocate_shared_memory(dtype, [BLOCK_M, HEAD_D], q_desc.layout)
+    k_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD_D], k_desc.layout)
+    v_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD_D], v_desc.layout)
+    q_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    mbarrier.init(q_bar, count=1)
+    for i in gl.static_range(STAGES):
+        mbarrier.init(ready.index(i), count=1)
+        mbarrier.init(empty.index(i), count=2)  # one arrival per compute group
+    n_iter = (start_m + BLOCK_M if IS_CAUSAL else SK) // BLOCK_N
+    q_row = zh * SQ + start_m
+    lse = LSE + zh * SQ
+    gl.warp_specialize([
+        (_fwd_hopper_compute, (0, o_desc, q_smem, k_smem, v_smem, q_bar, ready, empty, lse, qk_scale, q_row, start_m,
+                               n_iter, IS_CAUSAL)),
+        (_fwd_hopper_compute, (1, o_desc, q_smem, k_smem, v_smem, q_bar, ready, empty, lse, qk_scale, q_row, start_m,
+                               n_iter, IS_CAUSAL)),
+        (_fwd_hopper_load, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, ready, empty, q_row, zh * SK,
+                            n_iter)),
+    ], [4, 1], [COMPUTE_REGS, 24])
+
+
+# --------------------------------------------------------------------------- launchers
+
+
+def uses_hopper_kernels(q: torch.Tensor, k: torch.Tensor) -> bool:
+    """Whether the CUDA ops run the Gluon kernels (``hopper_fwd``, ``hopper_bwd``): an sm_90 GPU,
+    D = 128, 16-bit, and Sq and Sk in whole 128-row tiles. Every other input takes the Triton ones."""
+    tile = math.lcm(HOPPER_FWD.block_m, HOPPER_FWD.block_n, HOPPER_BWD.block_m, HOPPER_BWD.block_n)
+    return (q.is_cuda and torch.cuda.get_device_capability(q.device) == (9, 0) and q.shape[-1] == 128
+            and q.dtype in (torch.bfloat16, torch.float16) and q.shape[-2] % tile == 0 and k.shape[-2] % tile == 0)
+
+
+_GLUON_DTYPES = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16, torch.float32: gl.float32}
+
+
+def _rows_desc(t: torch.Tensor, rows: int) -> GluonTensorDescriptor:
+    """A Gluon descriptor reading [rows, D] tiles of a contiguous [..., S, D] tensor seen as [N·S, D]."""
+    flat = t.view(-1, t.shape[-1])
+    layout = gl.NVMMASharedLayout.get_default_for([rows, t.shape[-1]], _GLUON_DTYPES[t.dtype])
+    return GluonTensorDescriptor(flat, list(flat.shape), list(flat.stride()), [rows, t.shape[-1]], layout)
+
+
+def _fragments_desc(acc: torch.Tensor) -> GluonTensorDescriptor:
+    """The fp32 dQ buffer as unswizzled [N, DQ_FRAGMENT_ROW] rows, one query tile per box."""
+    flat = acc.view(-1, DQ_FRAGMENT_ROW)
+    box = [HOPPER_BWD.block_m * acc.shape[-1] // DQ_FRAGMENT_ROW, DQ_FRAGMENT_ROW]
+    layout = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=2)
+    return GluonTensorDescriptor(flat, list(flat.shape), list(flat.stride()), box, layout)
+
+
+@triton.jit
+def _attn_dq_from_fragments_kernel(ACC, DQ):
+    """One 64 x 128 tile of the fp32 dQ buffer, read in DQ_FRAGMENTS order, written row-major in
+    DQ's dtype. DQ_FRAGMENTS' offset bits, high to low, are runs of column and row bits:
+    col 6, rows 4-5, cols 3-5, rows 0-3, cols 0-2; a permute of those runs makes them row-major."""
+    base = tl.program_id(0).to(tl.int64) * 8192
+    tile = tl.arange(0, 8192)
+    runs = tl.reshape(tl.load(ACC + base + tile), (2, 4, 8, 16, 8))
+    row_major = tl.reshape(tl.permute(runs, (1, 3, 0, 2, 4)), (8192,))
+    tl.store(DQ + base + tile, row_major.to(DQ.dtype.element_ty))
+
+
+def dq_from_fragments(acc: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """The summed fp32 dQ buffer ([..., S, 128], tiles in fragment order) as row-major ``dtype``."""
+    dq = torch.empty(acc.shape, dtype=dtype, device=acc.device)
+    _attn_dq_from_fragments_kernel[(acc.numel() // 8192,)](acc, dq, num_warps=8)
+    return dq
+
+
+
+def hopper_fwd(q, k, v, is_causal: bool, scale: float):
+    """Run the warp-specialized Gluon forward on inputs ``uses_hopper_kernels`` accepts; returns (out, lse)."""
+    if _no_heads(q):
+        return _empty_fwd(q)
+    q4, k4, v4 = (_as_4d(t).contiguous() for t in (q, k, v))
+    Z, H, SQ, D = q4.shape
+    SK = k4.shape[2]
+    t = HOPPER_FWD
+    out = torch.empty((Z, H, SQ, D), dtype=q.dtype, device=q.device)
+    lse = torch.empty((Z, H, SQ), dtype=torch.float32, device=q.device)
+    _attn_fwd_hopper_kernel[(SQ // t.block_m, Z * H)](
+        _rows_desc(q4, t.block_m), _rows_desc(k4, t.block_n), _rows_desc(v4, t.block_n),
+        _rows_desc(out, t.block_m // 2), lse, scale * LOG2E, SQ, SK,
+        IS_CAUSAL=is_causal, HEAD_D=D, BLOCK_M=t.block_m, BLOCK_N=t.block_n, STAGES=t.num_stages,
+        COMPUTE_REGS=HOPPER_FWD_COMPUTE_REGS, num_warps=t.num_warps,
+    )
+    return out.view(q.shape), lse.view(q.shape[:-1])
+
+
+def hopper_bwd(dout, q, k, v, out, lse, is_causal: bool, scale: float):
+    """Run the one-pass Gluon backward on inputs ``uses_hopper_kernels`` accepts; returns (dq, dk, dv).
+    dQ is summed in fp32 (Sq·D·4 bytes per head, tiles in fragment order), then cast."""
+    if _no_heads(q):
+        return _empty_bwd(q, k, v)
+    q4, k4, v4, do4 = (_as_4d(t).contiguous() for t in (q, k, v, dout))
+    Z, H, SQ, D = q4.shape
+    SK = k4.shape[2]
+    t = HOPPER_BWD
+    stats = _delta(_as_4d(out), do4, lse)
+    dq = torch.zeros((Z, H, SQ, D), dtype=torch.float32, device=q.device)  # tiles in fragment order
+    dk = torch.empty((Z, H, SK, D), dtype=k.dtype, device=q.device)
+    dv = torch.empty((Z, H, SK, D), dtype=v.dtype, device=q.device)
+    _attn_bwd_hopper_kernel[(SK // t.block_n, Z * H)](
+        _rows_desc(q4, t.block_m), _rows_desc(k4, t.block_n), _rows_desc(v4, t.block_n),
+        _rows_desc(do4, t.block_m), _fragments_desc(dq), dk, dv, stats,
+        scale * LOG2E, scale, SQ, SK,
+        IS_CAUSAL=is_causal, HEAD_D=D, BLOCK_M=t.block_m, BLOCK_N=t.block_n, STAGES=t.num_stages,
+        num_warps=t.num_warps,
+    )
+    return dq_from_fragments(dq, q.dtype).view(q.shape), dk.view(k.shape), dv.view(v.shape)
