@@ -189,7 +189,7 @@ def call_block(key: int, index: int, args: tuple, kwargs: dict, tensors: tuple):
     parameters and buffers, passed so the captured graph records them as the call's inputs."""
     calls = _ROUTED[key]
     block = calls.blocks[index]
-    if any(is_fake(t) for t in tensors):  # Dynamo asking for the output's metadata
+    if any(is_fake(t) for t in torch.utils._pytree.tree_leaves((args, kwargs, tensors))):  # Dynamo tracing
         with _reparametrize_module(block, dict(zip(calls.tensor_names, tensors))):
             return _class_forward(block, *args, **kwargs)
     return calls.compiled(block, *args, **kwargs)

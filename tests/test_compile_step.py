@@ -227,3 +227,29 @@ def test_a_trainers_bound_method_finds_its_model_and_optimizer():
     assert [s.optimizer for s in step.optimizer_steps] == [trainer.optimizer]
     assert [c.blocks for c in step.block_calls] == [list(trainer.model.layers)]
     assert registry.REPORT.replacements["attention"] == 2 and registry.REPORT.replacements["adamw"] == 1
+
+
+def test_repeated_blocks_without_parameters():
+    """Blocks with no tensors of their own (Dynamo's trace still gets their output from fakes)."""
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+
+    class Model(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.embed, self.head = nn.Embedding(VOCAB, 16), nn.Linear(16, VOCAB, bias=False)
+            self.acts = nn.ModuleList([nn.Tanh(), nn.Tanh(), nn.Tanh()])
+
+        def forward(self, ids):
+            x = self.embed(ids)
+            for act in self.acts:
+                x = x + act(x)
+            return self.head(x)
+
+    model = Model()
+    eager = Model()
+    eager.load_state_dict(model.state_dict())
+    (inputs, targets), = batches(1)
+    step = compile_stack.compile_step(lambda x, y: mean_cross_entropy(model(x), y), codegen=False)
+    assert [len(c.blocks) for c in step.block_calls] == [3]
+    torch.testing.assert_close(step(inputs, targets), mean_cross_entropy(eager(inputs), targets))
