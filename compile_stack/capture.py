@@ -1,11 +1,15 @@
 """The torch.compile backend: Inductor with our passes installed.
 
-``PassBackend`` is handed to ``torch.compile(backend=...)``. For each graph
-Dynamo captures it compiles with Inductor while our passes sit in Inductor's
-hooks, and keeps the pass report true across warm starts: when Inductor's
-caches serve a graph our passes do not run, so the backend stores each graph's
-replacement counts under a key of the graph's code and the passes' identity,
-and replays them on a cache hit.
+``PassBackend`` is handed to ``torch.compile(backend=...)`` (it is the public
+``compile_stack.Backend``). For each graph Dynamo captures it compiles with
+Inductor while our passes sit in Inductor's hooks; by default each backward is
+compiled with its forward, so nothing else need be held open for the passes
+to reach it. With ``outline_blocks`` it first splits a captured graph at its
+repeated blocks (``blocks.py``). It keeps the pass report true across warm
+starts: when Inductor's caches serve a graph our passes do not run, so the
+backend stores each graph's counts and notes (with a digest) under a key of
+the graph's code and the passes' identity, replays them on a cache hit, and
+reports the counts unknown where no valid record exists.
 
 ``PassBackend(codegen=False)`` runs the same stages on the same graphs —
 our pre-grad passes, AOTAutograd with Inductor's decompositions, our joint
