@@ -31,6 +31,7 @@ from torch._functorch.aot_autograd import make_boxed_func
 from torch._functorch.partitioners import min_cut_rematerialization_partition
 from torch._inductor.compile_fx import compile_fx, graph_returns_tuple, make_graph_return_tuple
 from torch._inductor.decomposition import select_decomp_table
+from torch._inductor.runtime import cache_dir_utils
 
 from compile_stack import blocks, inspection, settings
 from passes import registry
@@ -142,7 +143,7 @@ class PassBackend:
     def _report_key(self, gm: torch.fx.GraphModule) -> Path:
         stages = [sp.uuid() for sp in registry.stage_passes(self.pass_list).values()]
         digest = hashlib.sha256(gm.code.encode() + b"".join(stages)).hexdigest()[:32]
-        return settings.default_cache_dir() / "pass_reports" / f"{digest}.json"
+        return report_dir() / f"{digest}.json"
 
     def _settle_report(self, gm, runs_before: Counter, counts_before: Counter, notes_before: int, uses: int) -> None:
         """This graph's replacements, counted once per segment that shares it, and its notes.
@@ -172,6 +173,12 @@ class PassBackend:
                     report.notes.append(entry)
         if len(counts) == len(self.pass_list) and not replayed:
             _write_record(key, {"counts": counts, "notes": report.notes[notes_before:]})
+
+
+def report_dir() -> Path:
+    """Where graphs' pass records live: inside Inductor's cache directory, beside the compiled
+    artifacts they describe, so a warm cache comes with them wherever that directory is."""
+    return Path(cache_dir_utils.cache_dir()) / "cstack_pass_reports"
 
 
 def _digest(key: Path, payload: dict) -> str:

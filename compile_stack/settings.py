@@ -26,10 +26,10 @@ def default_cache_dir() -> Path:
     return Path(os.environ.get(CACHE_ENV, Path.home() / ".cache" / "compile_stack"))
 
 
-# What the package creates under the cache directory: Inductor's caches, Triton's
-# kernel cache, and the pass counts compile_stack/capture.py stores for cache hits
-# (``pass_reports``). ``use_cache_dir(fresh=True)`` deletes these and nothing else.
-CACHE_SUBDIRS = ("inductor", "triton", "pass_reports")
+# What the package creates under the cache directory: Inductor's caches (with the pass
+# records compile_stack/capture.py keeps beside them) and Triton's kernel cache.
+# ``use_cache_dir(fresh=True)`` deletes these and nothing else.
+CACHE_SUBDIRS = ("inductor", "triton")
 
 
 def _delete(path: Path) -> None:

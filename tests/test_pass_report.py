@@ -5,7 +5,7 @@ import pytest
 import torch
 
 import compile_stack
-from compile_stack import settings
+from compile_stack import capture, settings
 from passes import registry
 from tests.test_compile_step import gpt
 from tests.user_corpus import batches, mean_cross_entropy
@@ -32,7 +32,7 @@ def warm(tmp_path_factory):
     model = gpt(1, d_model=32, heads=2)
     cold = compile_loss(model)
     assert cold[0] == {"attention": 1, "cross_entropy": 1}
-    records = sorted((settings.default_cache_dir() / "pass_reports").glob("*.json"))
+    records = sorted(capture.report_dir().glob("*.json"))
     assert records
     return model, cold, records
 
