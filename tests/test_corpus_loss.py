@@ -14,7 +14,7 @@ import torch.nn.functional as F
 
 import compile_stack
 from passes import registry
-from tests.user_corpus import BATCH, SEQ, VOCAB, adamw, batches, run_case
+from tests.user_corpus import BATCH, SEQ, VOCAB, adamw, batches, make_train_step, run_case
 
 D = 32
 REPLACED, LEFT_ALONE = {"cross_entropy": 1}, {"cross_entropy": 0}
@@ -208,17 +208,8 @@ def test_symbolic_sequence_length():
     theirs.load_state_dict(ours.state_dict())
     opt, eager_opt = adamw(ours.parameters()), adamw(theirs.parameters())
 
-    def make_step(m, o):
-        def step(inputs, targets):
-            o.zero_grad(set_to_none=True)
-            loss = ce_shifted(m(inputs), targets).sum()
-            loss.backward()
-            o.step()
-            return loss
-        return step
-
-    compiled = compile_stack.compile_step(make_step(ours, opt), codegen=False)
-    eager = make_step(theirs, eager_opt)
+    compiled = compile_stack.compile_step(make_train_step(ours, ce_shifted, opt), codegen=False)
+    eager = make_train_step(theirs, ce_shifted, eager_opt)
     counts = []
     for seq in (SEQ, SEQ + 5, SEQ + 9):
         registry.REPORT.clear()
