@@ -226,15 +226,7 @@ def test_bf16_count(head, loss_fn):
     torch._dynamo.reset()
     registry.REPORT.clear()
     m = LM(head=head).to(torch.bfloat16)
-    opt = adamw(m.parameters())
-
-    def step(inputs, targets):
-        opt.zero_grad(set_to_none=True)
-        loss = loss_fn(m(inputs), targets).sum()
-        loss.backward()
-        opt.step()
-        return loss
-
+    step = make_train_step(m, loss_fn, adamw(m.parameters()))
     (inputs, targets), = batches(1)
     compile_stack.compile_step(step, codegen=False)(inputs, targets)
     assert registry.REPORT.replacements.get("cross_entropy", 0) == 1, registry.REPORT.notes
