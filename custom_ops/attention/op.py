@@ -54,18 +54,18 @@ def check_bwd_args(dout, q, k, v, out, lse, is_causal, scale) -> None:
     require(lse.shape == q.shape[:-1], "lse", f"shape {tuple(q.shape[:-1])}", tuple(lse.shape))
 
 
-@torch.library.custom_op("cstack::flash_attention_fwd", mutates_args=(), device_types="cpu")
+@torch.library.custom_op("cstack::flash_attention_fwd", mutates_args=(), device_types="cuda")
 def flash_attention_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool,
                         scale: float) -> tuple[torch.Tensor, torch.Tensor]:
     check_attention_args(q, k, v, is_causal, scale)
-    return impl.torch_fwd(q, k, v, is_causal, scale)
-
-
-@flash_attention_fwd.register_kernel("cuda")
-def _fwd_cuda(q, k, v, is_causal, scale):
-    check_attention_args(q, k, v, is_causal, scale)
     forward = impl.hopper_fwd if impl.uses_hopper_kernels(q, k) else impl.triton_fwd
     return forward(q, k, v, is_causal, scale)
+
+
+@flash_attention_fwd.register_kernel("cpu")
+def _fwd_cpu(q, k, v, is_causal, scale):
+    check_attention_args(q, k, v, is_causal, scale)
+    return impl.torch_fwd(q, k, v, is_causal, scale)
 
 
 @flash_attention_fwd.register_fake
@@ -74,19 +74,19 @@ def _fwd_fake(q, k, v, is_causal, scale):
     return q.new_empty(q.shape), q.new_empty(q.shape[:-1], dtype=torch.float32)
 
 
-@torch.library.custom_op("cstack::flash_attention_bwd", mutates_args=(), device_types="cpu")
+@torch.library.custom_op("cstack::flash_attention_bwd", mutates_args=(), device_types="cuda")
 def flash_attention_bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                         out: torch.Tensor, lse: torch.Tensor, is_causal: bool,
                         scale: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     check_bwd_args(dout, q, k, v, out, lse, is_causal, scale)
-    return impl.torch_bwd(dout, q, k, v, out, lse, is_causal, scale)
-
-
-@flash_attention_bwd.register_kernel("cuda")
-def _bwd_cuda(dout, q, k, v, out, lse, is_causal, scale):
-    check_bwd_args(dout, q, k, v, out, lse, is_causal, scale)
     backward = impl.hopper_bwd if impl.uses_hopper_kernels(q, k) else impl.triton_bwd
     return backward(dout, q, k, v, out, lse, is_causal, scale)
+
+
+@flash_attention_bwd.register_kernel("cpu")
+def _bwd_cpu(dout, q, k, v, out, lse, is_causal, scale):
+    check_bwd_args(dout, q, k, v, out, lse, is_causal, scale)
+    return impl.torch_bwd(dout, q, k, v, out, lse, is_causal, scale)
 
 
 @flash_attention_bwd.register_fake
