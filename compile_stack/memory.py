@@ -38,11 +38,11 @@ import os
 import torch
 
 from compile_stack.config import ModelConfig
+from custom_ops.linear_cross_entropy import CHUNK_BYTES as CE_CHUNK_BYTES
 
 GIB = 2**30
 # Of the memory a device reports, the share a run may plan to use (allocator slack).
 USABLE_FRACTION = 0.95
-CE_CHUNK_BYTES = 1.25 * GIB
 KNAPSACK_OVERSHOOT = 1.1
 # The partitioner's plans for the full preset's block in 16-bit dtypes, keyed by (d_model,
 # d_ff, heads, bytes per element): (budget from which a plan holds, d-wide tensors, d_ff-wide
