@@ -18,13 +18,14 @@ import contextlib
 import dataclasses
 import importlib
 import inspect
+import pathlib
 from collections import Counter
 from collections.abc import Callable, Iterable, Iterator
 
 import torch
 from torch._inductor.custom_graph_pass import CustomGraphPass, get_hash_for_files
 
-from passes import graph_edit
+from passes import graph_edit, rejection
 
 STAGES = ("pre_grad", "joint", "post_grad")
 # Inductor config hook per stage.
@@ -46,8 +47,10 @@ class RegisteredPass:
     fn: GraphPassFn
 
     @property
-    def source_file(self) -> str:
-        return inspect.getsourcefile(self.fn)
+    def source_files(self) -> list[str]:
+        """The pass's module, or every module of its package: an edit to any part changes the pass."""
+        path = pathlib.Path(inspect.getsourcefile(self.fn))
+        return sorted(map(str, path.parent.rglob("*.py"))) if path.name == "__init__.py" else [str(path)]
 
 
 _PASSES: dict[str, RegisteredPass] = {}
@@ -154,7 +157,8 @@ class StagePass(CustomGraphPass):
             self.observer(self.stage, graph, "after")
 
     def uuid(self) -> bytes:
-        files = tuple(sorted({p.source_file for p in self.passes} | {__file__, graph_edit.__file__}))
+        files = tuple(sorted({f for p in self.passes for f in p.source_files}
+                             | {__file__, graph_edit.__file__, rejection.__file__}))
         return get_hash_for_files(files, extra=self.stage + ":" + ",".join(p.name for p in self.passes))
 
 
