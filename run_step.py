@@ -67,7 +67,7 @@ def parse_args(argv=None) -> argparse.Namespace:
                         "depth) instead of compiling the model's repeated blocks once for all of them")
     p.add_argument("--memory-budget", type=float,
                    help="activation memory budget in [0, 1] for the partitioner: lower saves less and recomputes "
-                        "more (default: the largest the memory estimate allows)")
+                        "more (default on a GPU: for each graph, the largest whose plan fits the GPU's memory)")
     p.add_argument("--check", action="store_true",
                    help="also run the eager reference step from the same weights and data and report relative errors")
     p.add_argument("--inspect", type=Path, metavar="DIR", help="write graphs before/after our passes and Inductor's code to DIR")
@@ -265,9 +265,10 @@ def choose_config(args, device: torch.device, device_bytes: float, world: int,
 
 
 def choose_budget(args, cfg: ModelConfig, device: torch.device, device_bytes: float, world: int,
-                  nbytes: int) -> float | None:
-    """The least recomputation that fits: the largest budget whose estimate fits the device."""
-    if args.memory_budget is not None or not args.compile or device.type != "cuda":
+                  reference_fsdp: bool, nbytes: int) -> float | None:
+    """The budget given; None (compile_step fits each graph's plan to the GPU, budget.py) but for
+    the reference model's FSDP step, whose own backends take the largest budget whose estimate fits."""
+    if args.memory_budget is not None or not args.compile or device.type != "cuda" or not reference_fsdp:
         return args.memory_budget
     for budget in [b / 100 for b in range(100, -1, -1)]:
         if memory.fits(memory.estimate_peak_bytes(cfg, True, budget, nbytes, world), device_bytes):
@@ -363,12 +364,17 @@ def run(args) -> dict:
     device_bytes = memory.device_bytes(device)
     dtype = getattr(torch, args.dtype)
     preset, cfg, why = choose_config(args, device, device_bytes, world, dtype.itemsize)
-    budget = choose_budget(args, cfg, device, device_bytes, world, dtype.itemsize)
+    reference_fsdp = world > 1 and args.model is None and args.loss is None and args.optimizer is None
+    budget = choose_budget(args, cfg, device, device_bytes, world, reference_fsdp, dtype.itemsize)
     device_name = torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "cpu"
     log(f"device: {device} ({device_name}); torch {torch.__version__}")
     log(f"preset: {preset} ({why}); config: {cfg}")
-    log(f"mode: {'compiled' if args.compile else 'eager'}; dtype {args.dtype}; memory budget: {budget}")
-    estimate = memory.estimate_peak_bytes(cfg, args.compile, 1.0 if budget is None else budget, dtype.itemsize, world)
+    auto = args.compile and budget is None and device.type == "cuda"
+    log(f"mode: {'compiled' if args.compile else 'eager'}; dtype {args.dtype}; memory budget: "
+        f"{'chosen per graph to fit the GPU (the pass notes say which)' if auto else budget}")
+    # With the budget chosen per graph, the estimate at the least budget says whether anything fits.
+    estimate = memory.estimate_peak_bytes(cfg, args.compile, 0.0 if auto else 1.0 if budget is None else budget,
+                                          dtype.itemsize, world)
     if not memory.fits(estimate, device_bytes) and not args.force:
         raise SystemExit(
             f"config does not fit: estimated peak {estimate / memory.GIB:.1f} GiB "
@@ -410,7 +416,7 @@ def run(args) -> dict:
     reference_model = copy.deepcopy(model) if args.check else None
     if world > 1:
         batch = tuple(distributed.shard_batch(t, rank, world) for t in batch)
-    if world > 1 and model_factory is None and args.loss is None and args.optimizer is None:
+    if reference_fsdp:
         options = StepOptions(passes=passes, inspect_dir=args.inspect, memory_budget=budget) if args.compile else None
         step = FirstCallTimer(distributed.DistributedTrainStep(model, AdamW, options))
     else:

@@ -102,7 +102,8 @@ def main(argv=None) -> dict:
         timer = "wall clock (no GPU: do_bench needs CUDA), median"
     result = {"config": cfg.__dict__, "model": args.model or "reference", "compiled": not args.no_compile,
               "first_step_s": round(first_s, 2), "step_ms": round(ms, 2), "timer": timer,
-              "peak_mem_gib": round(torch.cuda.max_memory_allocated() / 2**30, 2) if device.type == "cuda" else None}
+              "peak_mem_gib": round(torch.cuda.max_memory_allocated() / 2**30, 2) if device.type == "cuda" else None,
+              "passes": compile_stack.pass_report() if not args.no_compile else None}
     print(json.dumps(result), flush=True)
     if args.json:
         args.json.write_text(json.dumps(result, indent=2))

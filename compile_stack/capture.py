@@ -22,6 +22,7 @@ import functools
 import hashlib
 import json
 import os
+import warnings
 from collections import Counter
 from pathlib import Path
 
@@ -34,6 +35,7 @@ from torch._inductor.decomposition import select_decomp_table
 from torch._inductor.runtime import cache_dir_utils
 
 from compile_stack import blocks, inspection, settings
+from compile_stack.budget import BudgetedPartitioner, MemoryLedger
 from passes import registry
 
 
@@ -50,6 +52,7 @@ class PassBackend:
         outline_blocks: bool = False,
         backward_now: bool = True,
         uses: int = 1,
+        ledger: MemoryLedger | None = None,
     ):
         self.pass_list = registry.resolve(passes)
         self.outline_blocks = outline_blocks
@@ -61,6 +64,8 @@ class PassBackend:
         # are counted that many times.
         self.uses = uses
         self.memory_budget = memory_budget
+        # Without a fixed budget, each graph's budget is chosen to fit this ledger (budget.py).
+        self.ledger = ledger if memory_budget is None else None
         self.name = name
         self.codegen = codegen
         self.graphs = 0  # graphs compiled
@@ -104,16 +109,33 @@ class PassBackend:
         # Inspecting: the backward's code is filed under this graph only if compiled now.
         backward_now = torch._functorch.config.patch(
             force_non_lazy_backward_lowering=self.backward_now or self.writer is not None)
-        compile_graph = compile_fx if self.codegen else self._compile_without_codegen
-        with self.active(), backward_now:
+        partitioner = None
+        if self.ledger is not None:
+            partitioner = BudgetedPartitioner(self.ledger, f"{self.name}:{self._report_key(gm).stem}", uses)
+        compile_graph = functools.partial(compile_fx if self.codegen else self._compile_without_codegen,
+                                          **({} if self.codegen else {"partitioner": partitioner}))
+        with self.active(), backward_now, torch._inductor.config.patch(custom_partitioner_fn=partitioner):
             if graph_returns_tuple(gm):
                 compiled = compile_graph(gm, example_inputs)
             else:  # a segment returning one value
                 compiled = make_graph_return_tuple(gm, example_inputs, compile_graph)
+        if partitioner is not None and partitioner.chosen is not None:
+            self._note_budget(graph_name, partitioner, uses)
         self._settle_report(gm, runs_before, counts_before, notes_before, uses)
         return compiled
 
-    def _compile_without_codegen(self, gm, example_inputs):
+    def _note_budget(self, graph_name: str, partitioner: BudgetedPartitioner, uses: int) -> None:
+        saved = partitioner.ledger.reserved[partitioner.key] / 2**30
+        where = f"{graph_name} saves {saved:.2f} GiB for its backward" + (f" ({uses} call sites)" if uses > 1 else "")
+        if partitioner.fits:
+            registry.note("memory", f"{where} at activation memory budget {partitioner.chosen:.3g}")
+        else:
+            message = (f"{where} even at the least budget, more than the {partitioner.available / 2**30:.1f} GiB "
+                       "estimated free for it: the step may run out of memory")
+            registry.note("memory", message)
+            warnings.warn(message, stacklevel=2)
+
+    def _compile_without_codegen(self, gm, example_inputs, partitioner=None):
         observer = self.writer.observer() if self.writer else None
         stage = registry.stage_passes(self.pass_list, observer)
         stage["pre_grad"](gm.graph)
@@ -122,7 +144,7 @@ class PassBackend:
         def partition(joint, joint_inputs, **kwargs):
             stage["joint"](joint.graph)
             joint.recompile()
-            return min_cut_rematerialization_partition(joint, joint_inputs, **kwargs)
+            return (partitioner or min_cut_rematerialization_partition)(joint, joint_inputs, **kwargs)
 
         def compile_graph(graph_module, inputs, is_inference=False):
             if is_inference:

@@ -35,6 +35,7 @@ import torch
 
 from compile_stack import settings
 from compile_stack.blocks import BlockCalls
+from compile_stack.budget import MemoryLedger
 from compile_stack.capture import PassBackend
 from compile_stack.inspection import InspectionWriter
 from custom_ops.checks import require
@@ -55,12 +56,25 @@ class StepOptions:
     backward_now: bool = False
 
 
-def backend_factory(options: StepOptions, inspect: bool = True) -> Callable[..., PassBackend]:
-    """Makes our backends for ``options``, all writing to one inspection directory (if any);
-    call it with the backend's ``name`` and its own keywords."""
+def backend_factory(options: StepOptions, inspect: bool = True,
+                    ledger: MemoryLedger | None = None) -> Callable[..., PassBackend]:
+    """Makes our backends for ``options``, all writing to one inspection directory (if any) and,
+    without a fixed memory budget, fitting their plans into one ``ledger`` (if any); call it
+    with the backend's ``name`` and its own keywords."""
     writer = InspectionWriter(options.inspect_dir) if options.inspect_dir and inspect else None
     return functools.partial(PassBackend, options.passes, writer, options.memory_budget, codegen=options.codegen,
-                             backward_now=options.backward_now)
+                             backward_now=options.backward_now, ledger=ledger)
+
+
+def step_ledger(optimizers: list, models: list) -> MemoryLedger | None:
+    """The memory ledger of a step whose parameters live on a GPU; None on a CPU (the
+    partitioner's own default budget applies there)."""
+    params = [p for m in models for p in m.parameters()]
+    params += [p for opt in optimizers for g in getattr(opt, "param_groups", ()) for p in g["params"]]
+    devices = {p.device for p in params if isinstance(p, torch.Tensor)}
+    if len(devices) != 1 or next(iter(devices)).type != "cuda":
+        return None
+    return MemoryLedger.for_device(next(iter(devices)), optimizers)
 
 
 def is_optimizer(obj) -> bool:
@@ -297,18 +311,21 @@ class CompiledStep:
         self.options = options
         if options.cache_dir is not None:
             settings.use_cache_dir(options.cache_dir)
-        backend = backend_factory(options)
+        optimizers = find_reachable(train_step, is_optimizer)
+        models = find_reachable(train_step, lambda obj: isinstance(obj, torch.nn.Module))
+        self.ledger = step_ledger(optimizers, models) if options.memory_budget is None else None
+        backend = backend_factory(options, ledger=self.ledger)
         self.backend = backend(name="model", outline_blocks=options.blocks)
         self.optimizer_backend = backend(name="optimizer")
-        self.optimizer_steps = [CompiledOptimizerStep(opt, self.optimizer_backend)
-                                for opt in find_reachable(train_step, is_optimizer)]
-        models = find_reachable(train_step, lambda obj: isinstance(obj, torch.nn.Module)) if options.blocks else []
-        self.block_calls = [calls for model in models
+        self.optimizer_steps = [CompiledOptimizerStep(opt, self.optimizer_backend) for opt in optimizers]
+        self.block_calls = [calls for model in (models if options.blocks else [])
                             if (calls := BlockCalls.of(model, lambda n: backend(name="block", uses=n))) is not None]
         self.compiled = torch.compile(train_step, backend=self.backend)
         functools.update_wrapper(self, train_step)
 
     def __call__(self, *args, **kwargs):
+        if self.ledger is not None:
+            self.ledger.at_step_start()
         with contextlib.ExitStack() as stack:
             stack.enter_context(self.backend.active())  # the backward may be compiled in this call
             for calls in self.block_calls:
@@ -326,7 +343,8 @@ def compile_step(train_step: Callable, *, passes: list[str] | None = None, memor
     ``train_step`` is the function as written: zero-grad, forward, loss,
     ``backward()``, ``optimizer.step()``, closed over the model and optimizer.
     Options: ``passes`` (names; default all), ``memory_budget`` (AOTAutograd's
-    activation memory budget in [0, 1]), ``inspect_dir`` (graphs and generated
+    activation memory budget in [0, 1]; default on a GPU: per graph, the least
+    recomputation whose plan fits the device, see ``budget.py``), ``inspect_dir`` (graphs and generated
     code are written there), ``cache_dir`` (compile caches), ``codegen``
     (False: run the rewritten aten graphs without Inductor's code generation),
     ``blocks`` (False: inline repeated blocks instead of compiling one for all).

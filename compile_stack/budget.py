@@ -1,0 +1,173 @@
+"""The activation memory budget chosen per graph: the least recomputation that fits.
+
+``compile_step``'s default when no ``memory_budget`` is given, on a GPU. A
+user's step does not say how big its model is, so the choice is made where
+the sizes are known: at each graph's partition. The joint forward+backward
+is partitioned at budget 1.0 first (save what the partitioner likes); if what
+the forward then saves, times the call sites sharing the graph (every block
+of a model), does not fit the memory left, the budget is searched down by
+bisection and the largest plan that fits is kept. Each trial partitions a
+copy of the joint graph, so the plan used is one that was measured, not
+predicted.
+
+The memory left for a graph's saved activations (``MemoryLedger``):
+
+- the device's usable memory (``memory.USABLE_FRACTION`` of it);
+- minus what is allocated when the graph is compiled (parameters, buffers,
+  any state that exists), and the state the step will create: an optimizer
+  that has no state yet for a parameter is taken to create two moments of
+  its size (Adam's; more than SGD needs, so the plan errs safe);
+- minus what the step's other graphs save (their plans, as reserved);
+- minus one graph's working set in its backward: the largest budget-1.0 set
+  of any graph (one block's backward holds that while it recomputes) and a
+  fixed allowance for kernels' scratch (the fused loss's logits chunk).
+
+Gradients are not subtracted: they appear as the backward frees saved
+activations, and the larger of the two is what is alive at once.
+"""
+import hashlib
+from collections.abc import Callable, Iterable
+from pathlib import Path
+
+import torch
+from torch._functorch.partitioners import min_cut_rematerialization_partition
+from torch._inductor.custom_graph_pass import CustomPartitionerFn
+
+from compile_stack import memory
+
+# Kernels' scratch beside the saved activations: the fused loss's logits chunk and its head gradient.
+SCRATCH_BYTES = 2 * memory.CE_CHUNK_BYTES
+# At exactly 0 the partitioner ignores our ops' must-save marks (see settings.memory_budget).
+LEAST_BUDGET = 1e-6
+# Bisection steps below 1.0: the budget is found to 1/64.
+SEARCH_STEPS = 6
+
+
+def tensor_bytes(value) -> int:
+    """Bytes of a (fake) tensor, a symbolic size by the example value it was traced with; 0 for
+    anything else."""
+    if not isinstance(value, torch.Tensor):
+        return 0
+    numel = value.numel()
+    if isinstance(numel, torch.SymInt):
+        numel = int(numel.node.hint) if numel.node.has_hint() else 0
+    return numel * value.element_size()
+
+
+def saved_bytes(backward: torch.fx.GraphModule, static_inputs: Iterable[int] = ()) -> int:
+    """Bytes a partition's forward keeps for its backward: the backward's inputs but the
+    incoming gradients and the graph inputs that live anyway (parameters, buffers)."""
+    lives_anyway = {f"primals_{i + 1}" for i in static_inputs}
+    return sum(tensor_bytes(n.meta.get("val")) for n in backward.graph.find_nodes(op="placeholder")
+               if not n.name.startswith("tangents") and n.name not in lives_anyway)
+
+
+class MemoryLedger:
+    """What a step's graphs may save for their backward, on one device.
+
+    ``capacity`` is the device's usable bytes; ``allocated()`` what is
+    allocated now; ``future_state()`` what the step will still create that
+    lives across steps (an optimizer's lazily created moments). A compiled
+    step calls ``at_step_start()`` as it starts: graphs compiled later in it
+    (a piece after the blocks) count what was allocated then, not the blocks'
+    saved activations, which the blocks' reservation already counts.
+    """
+
+    def __init__(self, capacity: float, allocated: Callable[[], int], future_state: Callable[[], int]):
+        self.capacity = capacity
+        self._allocated = allocated
+        self.resident: int | None = None  # allocated at the step's start, once known
+        self.future_state = future_state
+        self.reserved: dict[str, int] = {}  # graph key -> bytes its saved activations take (all uses)
+        self.working = 0  # the largest working set of any graph planned so far
+
+    @classmethod
+    def for_device(cls, device: torch.device, optimizers: list) -> "MemoryLedger":
+        return cls(memory.USABLE_FRACTION * memory.device_bytes(device),
+                   lambda: torch.cuda.memory_allocated(device), lambda: lazy_optimizer_state_bytes(optimizers))
+
+    def at_step_start(self) -> None:
+        self.resident = self._allocated()
+
+    def allocated(self) -> int:
+        return self._allocated() if self.resident is None else self.resident
+
+    def available(self, key: str, working: int) -> int:
+        """Bytes the graph ``key`` may save, given its working set ``working``."""
+        others = sum(b for k, b in self.reserved.items() if k != key)
+        return int(self.capacity - self.allocated() - self.future_state() - others
+                   - max(self.working, working) - SCRATCH_BYTES)
+
+    def reserve(self, key: str, saved: int, working: int) -> None:
+        self.reserved[key] = saved
+        self.working = max(self.working, working)
+
+
+def lazy_optimizer_state_bytes(optimizers: list) -> int:
+    """Two moments per parameter (its local shard, if sharded) for each optimizer that has no
+    state for it yet."""
+    total = 0
+    for opt in optimizers:
+        state = getattr(opt, "state", {})
+        for group in getattr(opt, "param_groups", ()):
+            total += sum(2 * tensor_bytes(getattr(p, "_local_tensor", p)) for p in group["params"]
+                         if not state.get(p))
+    return total
+
+
+class BudgetedPartitioner(CustomPartitionerFn):
+    """The min-cut partitioner at the largest budget whose plan fits the ledger.
+
+    ``uses``: call sites sharing the graph; its saved bytes count that many
+    times. ``key`` names the graph in the ledger (a recompile of the same
+    graph replaces its reservation). The cache identity covers this file,
+    ``uses``, the device's capacity and the state the step keeps (allocated
+    now and still to come, to the GiB): for a given graph, which is in
+    Inductor's key already, these decide the plan, so a warm start finds the
+    plan its cold start chose.
+    """
+
+    def __init__(self, ledger: MemoryLedger, key: str, uses: int = 1):
+        self.ledger = ledger
+        self.key = key
+        self.uses = uses
+        self.chosen: float | None = None  # the budget of the plan kept
+        self.available = 0  # the bytes that plan had to fit
+        self.fits = True
+
+    def __call__(self, gm: torch.fx.GraphModule, joint_inputs, **kwargs):
+        static = kwargs.get("static_lifetime_input_indices") or ()
+
+        def plan(budget: float):
+            copy = torch.fx.Graph()
+            copy.output(copy.graph_copy(gm.graph, {}))
+            with torch._functorch.config.patch(activation_memory_budget=budget):
+                parts = min_cut_rematerialization_partition(torch.fx.GraphModule(gm, copy), joint_inputs, **kwargs)
+            return parts, saved_bytes(parts[1], static) * self.uses
+
+        best, best_budget = plan(1.0), 1.0
+        working = best[1] // self.uses
+        available = self.available = self.ledger.available(self.key, working)
+        if best[1] > available:
+            lo, hi = LEAST_BUDGET, 1.0
+            best, best_budget = plan(lo), lo
+            self.fits = best[1] <= available
+            for _ in range(SEARCH_STEPS if self.fits else 0):
+                mid = (lo + hi) / 2
+                trial = plan(mid)
+                if trial[1] <= available:
+                    best, best_budget, lo = trial, mid, mid
+                else:
+                    hi = mid
+        self.chosen = best_budget
+        self.ledger.reserve(self.key, best[1], working)
+        return best[0]
+
+    def __reduce__(self):
+        # Inductor pickles its config into the cache key; this partitioner's part is its identity.
+        return (str, (self.uuid(),))
+
+    def uuid(self):
+        source = hashlib.sha256(Path(__file__).read_bytes()).hexdigest()
+        state = (self.ledger.allocated() + self.ledger.future_state()) >> 30
+        return f"{source}:{self.uses}:{self.ledger.capacity:.0f}:{state}"

@@ -1,0 +1,125 @@
+"""The activation memory budget chosen per graph (compile_stack/budget.py).
+
+A two-block MLP model is compiled through our backend without code
+generation, with a ledger of a chosen capacity standing in for a device: ample
+memory keeps the budget-1.0 plan; less makes the backend search down and keep
+a plan that fits; too little keeps the least plan and warns. Every plan gives
+eager's gradients.
+"""
+import warnings
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from compile_stack.budget import SCRATCH_BYTES, MemoryLedger, lazy_optimizer_state_bytes
+from compile_stack.capture import PassBackend
+from compile_stack.user_step import step_ledger
+from passes import registry
+
+
+class Mlp(nn.Module):
+    def __init__(self, d=16, ff=64):
+        super().__init__()
+        self.up, self.down = nn.Linear(d, ff), nn.Linear(ff, d)
+
+    def forward(self, x):
+        h = self.up(x)
+        return x + self.down(F.gelu(h) * torch.sigmoid(h) + h.tanh())
+
+
+def ledger(capacity: float) -> MemoryLedger:
+    return MemoryLedger(capacity, allocated=lambda: 0, future_state=lambda: 0)
+
+
+def compiled_grads(model, x, book: MemoryLedger):
+    backend = PassBackend(passes=[], codegen=False, ledger=book)
+    model.zero_grad(set_to_none=True)
+    torch.compile(model, backend=backend)(x).square().sum().backward()
+    return [p.grad.clone() for p in model.parameters()]
+
+
+@pytest.fixture
+def case():
+    torch._dynamo.reset()
+    registry.REPORT.clear()
+    model = nn.Sequential(Mlp(), Mlp())
+    x = torch.randn(4, 33, 16, requires_grad=True)
+    model(x).square().sum().backward()
+    expected = [p.grad.clone() for p in model.parameters()]
+    return model, x, expected
+
+
+def plan_at(capacity: float, case):
+    model, x, expected = case
+    torch._dynamo.reset()
+    registry.REPORT.clear()
+    book = ledger(capacity)
+    grads = compiled_grads(model, x, book)
+    for got, want in zip(grads, expected):
+        torch.testing.assert_close(got, want)
+    (saved,) = book.reserved.values()
+    return saved, book
+
+
+def test_ample_memory_keeps_the_budget_one_plan(case):
+    saved, book = plan_at(1e15, case)
+    assert saved > 0 and book.working == saved
+    assert any("activation memory budget 1" in n for n in registry.REPORT.notes)
+
+
+def test_less_memory_searches_down_to_a_plan_that_fits(case):
+    full, _ = plan_at(1e15, case)
+    capacity = SCRATCH_BYTES + full + 0.6 * full  # room for one working set and 60% of the full plan
+    saved, book = plan_at(capacity, case)
+    assert saved <= 0.6 * full
+    note = next(n for n in registry.REPORT.notes if n.startswith("memory:"))
+    budget = float(note.rsplit(" ", 1)[1])
+    assert 0 < budget < 1
+
+
+def test_too_little_memory_keeps_the_least_plan_and_warns(case):
+    full, _ = plan_at(1e15, case)
+    with pytest.warns(UserWarning, match="may run out of memory"):
+        plan_at(SCRATCH_BYTES + full + 1, case)
+    assert any("even at the least budget" in n for n in registry.REPORT.notes)
+
+
+def test_other_graphs_reservations_and_state_to_come_are_subtracted():
+    book = MemoryLedger(100 * 2**30, allocated=lambda: 10 * 2**30, future_state=lambda: 20 * 2**30)
+    book.reserve("head", 5 * 2**30, working=2**30)
+    assert book.available("block", working=3 * 2**30) == 100 * 2**30 - 10 * 2**30 - 20 * 2**30 - 5 * 2**30 \
+        - 3 * 2**30 - SCRATCH_BYTES
+    book.reserve("block", 7 * 2**30, working=3 * 2**30)
+    # A recompile of "block" replaces its own reservation; the larger working set stays.
+    assert book.available("block", working=0) == 100 * 2**30 - 35 * 2**30 - 3 * 2**30 - SCRATCH_BYTES
+
+
+def test_allocations_during_the_step_count_as_of_its_start():
+    allocated = [10 * 2**30]
+    book = MemoryLedger(100 * 2**30, allocated=lambda: allocated[0], future_state=lambda: 0)
+    book.at_step_start()
+    allocated[0] += 60 * 2**30  # the blocks' saved activations, reserved by the blocks' graph
+    book.reserve("block", 60 * 2**30, working=2**30)
+    assert book.available("head", working=0) == 100 * 2**30 - 10 * 2**30 - 60 * 2**30 - 2**30 - SCRATCH_BYTES
+
+
+def test_lazy_state_counts_two_moments_per_parameter_without_state():
+    a, b = nn.Parameter(torch.zeros(10)), nn.Parameter(torch.zeros(3, 4))
+    opt = torch.optim.AdamW([a, b])
+    assert lazy_optimizer_state_bytes([opt]) == 2 * 4 * (10 + 12)
+    a.grad, b.grad = torch.ones_like(a), torch.ones_like(b)
+    opt.step()
+    assert lazy_optimizer_state_bytes([opt]) == 0
+
+
+def test_no_ledger_for_a_step_on_the_cpu():
+    model = nn.Linear(3, 3)
+    assert step_ledger([torch.optim.SGD(model.parameters())], [model]) is None
+
+
+def test_a_fixed_budget_wins_over_the_ledger():
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert PassBackend(memory_budget=0.5, ledger=ledger(1.0)).ledger is None
