@@ -34,6 +34,7 @@ from torch._functorch.partitioners import min_cut_rematerialization_partition
 from torch._inductor.custom_graph_pass import CustomPartitionerFn
 
 from compile_stack import memory
+from passes.graph_edit import copy_module
 
 # Kernels' scratch beside the saved activations: the fused loss's logits chunk and its head gradient.
 SCRATCH_BYTES = 2 * memory.CE_CHUNK_BYTES
@@ -139,10 +140,8 @@ class BudgetedPartitioner(CustomPartitionerFn):
         static = kwargs.get("static_lifetime_input_indices") or ()
 
         def plan(budget: float):
-            copy = torch.fx.Graph()
-            copy.output(copy.graph_copy(gm.graph, {}))
             with torch._functorch.config.patch(activation_memory_budget=budget):
-                parts = min_cut_rematerialization_partition(torch.fx.GraphModule(gm, copy), joint_inputs, **kwargs)
+                parts = min_cut_rematerialization_partition(copy_module(gm), joint_inputs, **kwargs)
             return parts, saved_bytes(parts[1], static) * self.uses
 
         best, best_budget = plan(1.0), 1.0

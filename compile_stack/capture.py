@@ -34,9 +34,10 @@ from torch._inductor.compile_fx import compile_fx, graph_returns_tuple, make_gra
 from torch._inductor.decomposition import select_decomp_table
 from torch._inductor.runtime import cache_dir_utils
 
-from compile_stack import blocks, inspection, settings
+from compile_stack import blocks, input_masks, inspection, settings
 from compile_stack.budget import BudgetedPartitioner, MemoryLedger
 from passes import registry
+from passes.graph_edit import copy_module
 
 
 class PassBackend:
@@ -102,6 +103,10 @@ class PassBackend:
         """Compile one graph; its replacements count ``uses`` times (segments sharing it)."""
         graph_name = f"{self.name}{self.graphs}"
         self.graphs += 1
+        masks = input_masks.find(gm, example_inputs)
+        if masks:  # keep the graph as captured, for a call whose masks no longer hold
+            captured = copy_module(gm)
+            input_masks.rebuild(gm, masks)
         report = registry.REPORT
         runs_before, counts_before, notes_before = Counter(report.runs), Counter(report.replacements), len(report.notes)
         if self.writer:
@@ -122,7 +127,7 @@ class PassBackend:
         if partitioner is not None and partitioner.chosen is not None:
             self._note_budget(graph_name, partitioner, uses)
         self._settle_report(gm, runs_before, counts_before, notes_before, uses)
-        return compiled
+        return input_masks.MaskGuard(compiled, captured, masks, graph_name) if masks else compiled
 
     def _note_budget(self, graph_name: str, partitioner: BudgetedPartitioner, uses: int) -> None:
         saved = partitioner.ledger.reserved[partitioner.key] / 2**30

@@ -25,8 +25,10 @@ aten level, after Inductor's decompositions. Two families are recognised:
      ones/full with tril/triu; logical ops, casts, arithmetic; constant
      tensors the graph holds, read as a diagonal split of the grid) and must
      be exactly ``j <= i``. A mask from a graph input (a buffer such as
-     nanoGPT's ``bias``, or one made outside a repeated block) has values
-     unknown when compiling and is left alone with a note.
+     nanoGPT's ``bias``, or one made outside a repeated block) reaches this
+     pass built in the graph where its values were one diagonal split when
+     compiled (``compile_stack/input_masks.py`` rebuilds it and guards the
+     compiled graph); any other is left alone with a note.
    - Softmax: ``_softmax``, or exp/sum/div with or without the max subtracted.
    - Layout: between the scores' ops and between P and the bmm, any chain of
      views/permutes/unsqueezes whose composition keeps the element order (an
@@ -63,6 +65,7 @@ import custom_ops.attention  # noqa: F401  (registers torch.ops.cstack.flash_att
 from custom_ops.attention import HEAD_DIMS
 from passes.graph_edit import erase_dead, fake_value, insert_call, reachable, save_for_backward
 from passes.registry import note, register_pass
+from passes.rejection import NoMatch
 
 aten, prims = torch.ops.aten, torch.ops.prims
 NAME = "attention"
@@ -87,10 +90,6 @@ SDPA_OPS = {
         aten._scaled_dot_product_efficient_attention_backward.default,
     aten._scaled_dot_product_cudnn_attention.default: aten._scaled_dot_product_cudnn_attention_backward.default,
 }
-
-
-class NoMatch(Exception):
-    """Why a candidate was left alone (becomes a note)."""
 
 
 # --------------------------------------------------------------------------- masks, evaluated symbolically
@@ -335,7 +334,7 @@ def _unknown_mask(node) -> str:
     inputs = [n for n in reachable([node], lambda n: n.all_input_nodes) if n.op == "placeholder"]
     if inputs:
         return (f"mask {node} comes from graph input {inputs[0]} (a buffer, or a tensor made outside the "
-                "block): its values are not known when compiling, so it cannot be proven causal")
+                "block) whose values were not one diagonal split when compiled, so it cannot be proven causal")
     return f"mask {node} is not causal (key <= query): not one diagonal split of the (query, key) grid"
 
 

@@ -1,6 +1,7 @@
 """FX graph editing the passes share: reading a node's fake value, inserting a
 call with the fake value later stages read, marking what the partitioner must
-save, finding what a set of nodes reaches, and erasing what a rewrite left dead."""
+save, finding what a set of nodes reaches, erasing what a rewrite left dead,
+and copying a graph module to edit or partition while the original stays."""
 from collections.abc import Callable, Iterable
 
 import torch
@@ -73,3 +74,11 @@ def erase_dead(graph: torch.fx.Graph, roots: Iterable[torch.fx.Node]) -> set[tor
         erased.add(n)
         work.extend(inputs)
     return erased
+
+
+def copy_module(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
+    """A copy of ``gm`` with its own nodes (their ``meta`` dicts copied, the values in them
+    shared), sharing ``gm``'s submodules and attributes."""
+    graph = torch.fx.Graph()
+    graph.output(graph.graph_copy(gm.graph, {}))
+    return torch.fx.GraphModule(gm, graph)

@@ -5,6 +5,8 @@ module is written in one idiom, everything else plain. ``run_case`` checks the c
 equals eager and that the attention pass replaced every layer (or, for a must-not-replace case,
 none of them, with a note saying why). Written independently of ``compile_stack/reference.py``.
 """
+import contextlib
+import copy
 import math
 
 import pytest
@@ -15,7 +17,8 @@ import torch.nn.functional as F
 import compile_stack
 from passes import registry
 from tests import user_corpus
-from tests.user_corpus import SEQ, VOCAB, batches, make_train_step, mean_cross_entropy
+from tests.user_corpus import (SEQ, STATE_TOLERANCE, TOLERANCE, VOCAB, batches, make_train_step,
+                               mean_cross_entropy)
 
 D_MODEL, HEADS, LAYERS = 32, 2, 2  # head dim 16
 
@@ -82,7 +85,8 @@ class QKV(nn.Module):
 
 
 class NanoGPT(QKV):
-    """nanoGPT: a tril buffer sliced to T, masked_fill(== 0, -inf), F.softmax (left alone: see LEFT_ALONE)."""
+    """nanoGPT: a tril buffer sliced to T, masked_fill(== 0, -inf), F.softmax (the buffer reaches the
+    block's graph as an input; compile_stack/input_masks.py rebuilds it in the graph)."""
 
     def __init__(self, d, h):
         super().__init__(d, h)
@@ -412,6 +416,36 @@ def test_encoder_layer_is_causal():
     run_case(lambda: EncoderLayerLM(is_causal=True), expect={"attention": LAYERS})
 
 
+@pytest.mark.parametrize("make_model", [lambda: LM(NanoGPT), EncoderLayerLM], ids=["nanogpt_buffer", "encoder_layer"])
+def test_mask_from_a_graph_input(make_model):
+    """A mask that reaches the block's graph as an input: nanoGPT's buffer, and the float mask
+    ``generate_square_subsequent_mask`` makes outside the layers (a new tensor every step)."""
+    run_case(make_model, expect={"attention": LAYERS})
+
+
+def test_a_mask_buffer_changed_after_compiling_runs_uncompiled():
+    """The compiled block assumed the buffer's values; once they are a sliding window instead, the
+    step warns and gives eager's result (the call runs the captured graph uncompiled)."""
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model = LM(NanoGPT)
+    eager_model = copy.deepcopy(model)
+    compiled = compile_stack.compile_step(make_train_step(model, mean_cross_entropy, sgd(model.parameters())),
+                                          codegen=False)
+    eager = make_train_step(eager_model, mean_cross_entropy, sgd(eager_model.parameters()))
+    window = torch.ones(SEQ, SEQ).tril() - torch.ones(SEQ, SEQ).tril(-3)
+    for i, (inputs, targets) in enumerate(batches(3)):
+        if i == 1:
+            for m in (model, eager_model):
+                for block in m.blocks:
+                    block.attn.bias.copy_(window)
+        with pytest.warns(UserWarning, match="no longer holds") if i == 1 else contextlib.nullcontext():
+            loss = compiled(inputs, targets)
+        torch.testing.assert_close(loss, eager(inputs, targets), **TOLERANCE)
+    for p, q in zip(model.parameters(), eager_model.parameters()):
+        torch.testing.assert_close(p, q, **STATE_TOLERANCE)
+
+
 # --------------------------------------------------------------------------- left alone, with a note
 
 
@@ -466,10 +500,6 @@ class PaddedCausal(QKV):
 
 
 LEFT_ALONE = {
-    # A mask held in a buffer (nanoGPT) or made outside the repeated blocks reaches the block's graph
-    # as an input: its values are unknown when compiling and nothing re-checks them at run time.
-    "nanogpt_buffer": (lambda: LM(NanoGPT), "graph input"),
-    "encoder_layer_mask": (EncoderLayerLM, "graph input"),
     "temperature_after_mask": (lambda: LM(TemperatureAfterMask), "after the mask"),
     "sliding_window": (lambda: LM(SlidingWindow), "not causal"),
     "padding_mask": (PaddingMaskLM, "graph input"),  # depends on the tokens
