@@ -39,13 +39,14 @@ from collections.abc import Callable
 import torch
 import torch.distributed as dist
 import torch.nn as nn
-from torch.distributed.fsdp import FSDPModule, fully_shard
+from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
 from compile_stack.blocks import block_list
 from compile_stack.profiling import categorize, is_device_work, record
 from compile_stack.reference import Transformer
 from compile_stack.regional import BlockwiseLoss
+from compile_stack.sharding import mean_over_ranks, shard_groups
 from compile_stack.user_step import CompiledOptimizerStep, StepOptions, backend_factory
 from custom_ops.checks import require
 
@@ -98,23 +99,6 @@ def shard_blocks(model: nn.Module, reshard_after_forward: bool = True) -> nn.Mod
     """Shard any model in place with FSDP2: a group per repeated block (``blocks.block_list``),
     then the root; return it."""
     return shard_groups(block_list(model), model, reshard_after_forward)
-
-
-def shard_groups(blocks: list[nn.Module], root: nn.Module, reshard_after_forward: bool = True) -> nn.Module:
-    """``fully_shard`` each of ``blocks`` (each prefetching its neighbour), then ``root``; return it.
-
-    The blocks must be submodules of ``root``. Rank 0's weights are broadcast first.
-    """
-    require(dist.is_initialized(), "model", "a process group set up first (setup_distributed())", "none")
-    with torch.no_grad():
-        for t in [*root.parameters(), *root.buffers()]:
-            dist.broadcast(t, src=0)
-    for block in blocks:
-        fully_shard(block, reshard_after_forward=reshard_after_forward)
-    for prev, nxt in zip(blocks, blocks[1:]):
-        prev.set_modules_to_forward_prefetch([nxt])
-        nxt.set_modules_to_backward_prefetch([prev])
-    return fully_shard(root, reshard_after_forward=reshard_after_forward)
 
 
 class LocalShards:
@@ -185,13 +169,6 @@ class DistributedTrainStep:
         self.shards.load_grads()
         self.optimizer_step()
         return mean_over_ranks(loss)
-
-
-def mean_over_ranks(loss: torch.Tensor) -> torch.Tensor:
-    """Each rank's mean loss over its equal share of the batch, averaged: the full batch's loss."""
-    total = loss.detach().clone()
-    dist.all_reduce(total)  # SUM: gloo has no AVG
-    return total / dist.get_world_size()
 
 
 def gather_full_params(step_or_model) -> dict[str, torch.Tensor]:

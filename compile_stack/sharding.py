@@ -1,0 +1,32 @@
+"""FSDP2 sharding groups and the loss over ranks: what the data-parallel step (``distributed.py``)
+and the harness's stock step share, kept apart so that the stock step needs nothing else of ours."""
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch.distributed.fsdp import fully_shard
+
+from custom_ops.checks import require
+
+
+def shard_groups(blocks: list[nn.Module], root: nn.Module, reshard_after_forward: bool = True) -> nn.Module:
+    """``fully_shard`` each of ``blocks`` (each prefetching its neighbour), then ``root``; return it.
+
+    The blocks must be submodules of ``root``. Rank 0's weights are broadcast first.
+    """
+    require(dist.is_initialized(), "model", "a process group set up first (setup_distributed())", "none")
+    with torch.no_grad():
+        for t in [*root.parameters(), *root.buffers()]:
+            dist.broadcast(t, src=0)
+    for block in blocks:
+        fully_shard(block, reshard_after_forward=reshard_after_forward)
+    for prev, nxt in zip(blocks, blocks[1:]):
+        prev.set_modules_to_forward_prefetch([nxt])
+        nxt.set_modules_to_backward_prefetch([prev])
+    return fully_shard(root, reshard_after_forward=reshard_after_forward)
+
+
+def mean_over_ranks(loss: torch.Tensor) -> torch.Tensor:
+    """Each rank's mean loss over its equal share of the batch, averaged: the full batch's loss."""
+    total = loss.detach().clone()
+    dist.all_reduce(total)  # SUM: gloo has no AVG
+    return total / dist.get_world_size()
