@@ -27,6 +27,7 @@ import torch
 import compile_stack
 from compile_stack import distributed, memory, settings
 from compile_stack.config import H200_PEAK_BF16_FLOPS, PRESET_ORDER, PRESETS, ModelConfig
+from compile_stack.harness.profiling import profile_overlap
 from compile_stack.reference import AdamW, build_model, cross_entropy
 from compile_stack.user_step import StepOptions
 from custom_ops import adamw as adamw_op
@@ -433,7 +434,7 @@ def run(args) -> dict:
         "memory_budget": budget, "estimated_peak_gib": round(estimate / memory.GIB, 1),
     }
     if args.check:
-        from compile_stack.check import STEPS, compare_steps
+        from compile_stack.harness.check import STEPS, compare_steps
 
         log(f"check: {STEPS} steps compiled vs eager from the same weights and data...")
         eager = make_train_step(reference_model, loss_fn, optimizer_class(reference_model.parameters()))
@@ -444,13 +445,13 @@ def run(args) -> dict:
     summary.update(measure(step, batch, args, device, cfg, "ours"))
     if world > 1:
         across_ranks(summary, world)
-        summary["comm_overlap"] = distributed.profile_overlap(lambda: step(*batch))
+        summary["comm_overlap"] = profile_overlap(lambda: step(*batch))
     summary["passes"] = registry.REPORT.as_dict(pass_names)
     summary["pass_notes"] = list(registry.REPORT.notes)
     _raise_on_bad_targets()
 
     if args.profile:
-        from compile_stack.profiling import format_breakdown, profile_step
+        from compile_stack.harness.profiling import format_breakdown, profile_step
 
         rank_cfg = cfg
         if world > 1:
@@ -484,7 +485,7 @@ def compare_stock(args, cfg, device, dtype, batch, ours: dict, world: int = 1, u
     Under torchrun it is sharded as ours is (FSDP2, a group per block) and steps on this rank's
     share of the batch; its step time is the slowest rank's, its peak the largest.
     """
-    from compile_stack.stock import StockStep
+    from compile_stack.harness.stock import StockStep
 
     torch._dynamo.reset()  # compiled code and its guards may still refer to our model
     gc.collect()  # the compiled pieces and their modules refer to each other

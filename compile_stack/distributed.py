@@ -43,7 +43,6 @@ from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
 from compile_stack.blocks import block_list
-from compile_stack.profiling import categorize, is_device_work, record
 from compile_stack.reference import Transformer
 from compile_stack.regional import BlockwiseLoss
 from compile_stack.sharding import mean_over_ranks, shard_groups
@@ -184,66 +183,6 @@ def full_params(module: nn.Module) -> dict[str, torch.Tensor]:
     with torch.no_grad():
         return {name: (p.full_tensor() if isinstance(p, DTensor) else p).detach().clone()
                 for name, p in module.named_parameters()}
-
-
-def interval_overlap(comm: list[tuple[float, float]], compute: list[tuple[float, float]]) -> dict:
-    """Communication time, and how much of it ran while no compute did (exposed).
-
-    Intervals are (start, end) in any one unit; overlaps within a kind are merged.
-    """
-    comm_u, compute_u = _union(comm), _union(compute)
-    comm_total = sum(e - s for s, e in comm_u)
-    hidden = 0.0
-    i = 0
-    for s, e in comm_u:
-        while i < len(compute_u) and compute_u[i][1] <= s:
-            i += 1
-        j = i
-        while j < len(compute_u) and compute_u[j][0] < e:
-            hidden += min(e, compute_u[j][1]) - max(s, compute_u[j][0])
-            j += 1
-    return {
-        "comm": comm_total,
-        "compute": sum(e - s for s, e in compute_u),
-        "hidden_comm": hidden,
-        "exposed_comm": comm_total - hidden,
-        "hidden_fraction": hidden / comm_total if comm_total > 0 else None,
-    }
-
-
-def _union(intervals: list[tuple[float, float]]) -> list[tuple[float, float]]:
-    merged = []
-    for s, e in sorted(intervals):
-        if merged and s <= merged[-1][1]:
-            merged[-1] = (merged[-1][0], max(merged[-1][1], e))
-        else:
-            merged.append((s, e))
-    return merged
-
-
-def profile_overlap(step_fn: Callable[[], object]) -> dict | None:
-    """Profile one GPU step: NCCL kernel time, and how much of it overlapped compute kernels (ms).
-
-    None on the CPU: gloo runs collectives on host threads, with no device timeline to compare.
-    """
-    if not torch.cuda.is_available():
-        return None
-    stats = interval_overlap(*device_intervals(record(step_fn).events()))
-    result = {f"{k}_ms": round(v / 1e3, 3) for k, v in stats.items() if k != "hidden_fraction"}
-    result["hidden_fraction"] = None if stats["hidden_fraction"] is None else round(stats["hidden_fraction"], 4)
-    return result
-
-
-def device_intervals(events) -> tuple[list[tuple[float, float]], list[tuple[float, float]]]:
-    """(start, end) of each NCCL kernel and of each other piece of device work. Annotation spans
-    are left out: FSDP's ``FSDP::all_gather`` span covers its collective and would count as
-    compute hiding it."""
-    comm, compute = [], []
-    for event in events:
-        if is_device_work(event) and event.time_range.end > event.time_range.start:
-            kind = comm if categorize(event.name) == "communication" else compute
-            kind.append((event.time_range.start, event.time_range.end))
-    return comm, compute
 
 
 def rank_summary(step_ms: float, peak_mem_gib: float) -> dict:

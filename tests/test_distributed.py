@@ -16,14 +16,15 @@ from torch.autograd import DeviceType
 
 from compile_stack import distributed as D
 from compile_stack import settings
-from compile_stack.check import TOLERANCES
+from compile_stack.harness.check import TOLERANCES
+from compile_stack.harness.profiling import device_intervals, interval_overlap, profile_overlap
 from compile_stack.config import PRESETS
 from compile_stack.reference import AdamW, build_model
 import compile_stack
 from compile_stack.reference import cross_entropy
 from compile_stack.user_step import StepOptions
 from run_step import make_train_step
-from compile_stack.stock import StockStep
+from compile_stack.harness.stock import StockStep
 from tests.helpers import HAS_CUDA, rel_err
 
 WORLD = 2
@@ -82,7 +83,7 @@ def _worker(rank, port, out_dir, cfg, cases, codegen):
             "graphs": step.backend.graphs if step.backend else None,
         }
         if device.type == "cuda":
-            out["dist"][name]["overlap"] = D.profile_overlap(
+            out["dist"][name]["overlap"] = profile_overlap(
                 lambda: step(*(D.shard_batch(t, rank, world) for t in _batches(cfg, device)[0])))
     out["passes"] = dict(registry.REPORT.replacements)
     if device.type == "cpu":
@@ -195,10 +196,10 @@ def test_bad_setup_raises(monkeypatch):
 
 def test_interval_overlap():
     # comm [0,4) ∪ [3,6) = [0,6); compute [1,2) ∪ [5,9): hidden 1 + 1 = 2, exposed 4.
-    stats = D.interval_overlap([(3, 6), (0, 4)], [(5, 9), (1, 2)])
+    stats = interval_overlap([(3, 6), (0, 4)], [(5, 9), (1, 2)])
     assert stats == {"comm": 6, "compute": 5, "hidden_comm": 2, "exposed_comm": 4, "hidden_fraction": 2 / 6}
-    assert D.interval_overlap([], [(0, 1)])["hidden_fraction"] is None
-    assert D.interval_overlap([(0, 2)], [(0, 1), (1, 2)])["exposed_comm"] == 0
+    assert interval_overlap([], [(0, 1)])["hidden_fraction"] is None
+    assert interval_overlap([(0, 2)], [(0, 1), (1, 2)])["exposed_comm"] == 0
 
 
 def test_device_intervals_leave_annotation_spans_out():
@@ -215,9 +216,9 @@ def test_device_intervals_leave_annotation_spans_out():
         event("aten::mm", 0, 10, device_type=DeviceType.CPU),
         event("Memset (Device)", 5, 5),
     ]
-    comm, compute = D.device_intervals(events)
+    comm, compute = device_intervals(events)
     assert comm == [(2, 10)] and compute == [(0, 4)]
-    assert D.interval_overlap(comm, compute)["exposed_comm"] == 6
+    assert interval_overlap(comm, compute)["exposed_comm"] == 6
 
 
 @pytest.mark.gpu

@@ -5,7 +5,7 @@ import pytest
 from torch.autograd import DeviceType
 
 from compile_stack.config import PRESETS
-from compile_stack.profiling import CATEGORIES, breakdown, categorize, format_breakdown
+from compile_stack.harness.profiling import CATEGORIES, breakdown, categorize, format_breakdown
 from custom_ops import adamw, attention, linear_cross_entropy
 
 

@@ -8,7 +8,7 @@ import pytest
 
 import compile_stack
 import run_step
-from compile_stack.profiling import CATEGORIES
+from compile_stack.harness.profiling import CATEGORIES
 
 ROOT = Path(__file__).resolve().parent.parent
 SUMMARY_KEYS = {"device", "preset", "config", "compiled", "compile_s", "step_ms", "tokens_per_s",
@@ -57,7 +57,7 @@ def test_eager_step_with_stock_comparison(tmp_path, cache, monkeypatch):
     """Both steps timed; ours is freed before the stock one is built (both fit only one at a time)."""
     import weakref
 
-    from compile_stack import stock
+    from compile_stack.harness import stock
 
     ours, freed_before_stock = [], []
     build = run_step.build_model

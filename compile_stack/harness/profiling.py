@@ -9,9 +9,13 @@ communication. Each category gets its share of device time, its number of
 kernel launches and, where its work is known from the config, the rate it
 achieved; the largest kernels are listed by name (a recomputed op shows up
 as more launches than the model has layers).
+
+Under torchrun, ``profile_overlap`` says how much of the step's communication
+ran under compute (``comm_overlap`` in the summary).
 """
 import re
 from collections import defaultdict
+from collections.abc import Callable
 
 import torch
 from torch.autograd import DeviceType
@@ -120,3 +124,63 @@ def format_breakdown(result: dict) -> str:
     for kernel in result["largest"]:
         lines.append(f"  {kernel['name'][:60]:<60}{kernel['ms']:>10.1f}{kernel['calls']:>8}  {kernel['category']}")
     return "\n".join(lines)
+
+
+def interval_overlap(comm: list[tuple[float, float]], compute: list[tuple[float, float]]) -> dict:
+    """Communication time, and how much of it ran while no compute did (exposed).
+
+    Intervals are (start, end) in any one unit; overlaps within a kind are merged.
+    """
+    comm_u, compute_u = _union(comm), _union(compute)
+    comm_total = sum(e - s for s, e in comm_u)
+    hidden = 0.0
+    i = 0
+    for s, e in comm_u:
+        while i < len(compute_u) and compute_u[i][1] <= s:
+            i += 1
+        j = i
+        while j < len(compute_u) and compute_u[j][0] < e:
+            hidden += min(e, compute_u[j][1]) - max(s, compute_u[j][0])
+            j += 1
+    return {
+        "comm": comm_total,
+        "compute": sum(e - s for s, e in compute_u),
+        "hidden_comm": hidden,
+        "exposed_comm": comm_total - hidden,
+        "hidden_fraction": hidden / comm_total if comm_total > 0 else None,
+    }
+
+
+def _union(intervals: list[tuple[float, float]]) -> list[tuple[float, float]]:
+    merged = []
+    for s, e in sorted(intervals):
+        if merged and s <= merged[-1][1]:
+            merged[-1] = (merged[-1][0], max(merged[-1][1], e))
+        else:
+            merged.append((s, e))
+    return merged
+
+
+def profile_overlap(step_fn: Callable[[], object]) -> dict | None:
+    """Profile one GPU step: NCCL kernel time, and how much of it overlapped compute kernels (ms).
+
+    None on the CPU: gloo runs collectives on host threads, with no device timeline to compare.
+    """
+    if not torch.cuda.is_available():
+        return None
+    stats = interval_overlap(*device_intervals(record(step_fn).events()))
+    result = {f"{k}_ms": round(v / 1e3, 3) for k, v in stats.items() if k != "hidden_fraction"}
+    result["hidden_fraction"] = None if stats["hidden_fraction"] is None else round(stats["hidden_fraction"], 4)
+    return result
+
+
+def device_intervals(events) -> tuple[list[tuple[float, float]], list[tuple[float, float]]]:
+    """(start, end) of each NCCL kernel and of each other piece of device work. Annotation spans
+    are left out: FSDP's ``FSDP::all_gather`` span covers its collective and would count as
+    compute hiding it."""
+    comm, compute = [], []
+    for event in events:
+        if is_device_work(event) and event.time_range.end > event.time_range.start:
+            kind = comm if categorize(event.name) == "communication" else compute
+            kind.append((event.time_range.start, event.time_range.end))
+    return comm, compute

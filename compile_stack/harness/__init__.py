@@ -1,0 +1,5 @@
+"""run_step.py's harness: what measures, checks and compares the step, not what builds it.
+
+The library (``compile_step``, the backend, repeated blocks, FSDP2, the memory
+plan) never imports this package; the harness uses the library as a user does.
+"""
