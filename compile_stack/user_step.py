@@ -38,6 +38,7 @@ from compile_stack.blocks import BlockCalls
 from compile_stack.budget import MemoryLedger
 from compile_stack.capture import PassBackend
 from compile_stack.inspection import InspectionWriter
+from compile_stack.targets import TargetsCheck
 from custom_ops.checks import require
 from passes.registry import note
 
@@ -302,7 +303,10 @@ def _routed(obj, name: str, replacement):
 
 
 class CompiledStep:
-    """The user's step, compiled: call it as the original (same arguments, same result)."""
+    """The user's step, compiled: call it as the original (same arguments, same result).
+
+    A target out of range raises at a later call, once the call that saw it has finished (targets.py).
+    """
 
     def __init__(self, train_step: Callable, options: StepOptions):
         require(callable(train_step), "train_step", "a callable (the user's train-step function)",
@@ -321,9 +325,11 @@ class CompiledStep:
         self.block_calls = [calls for model in (models if options.blocks else [])
                             if (calls := BlockCalls.of(model, lambda n: backend(name="block", uses=n))) is not None]
         self.compiled = torch.compile(train_step, backend=self.backend)
+        self.targets_check = TargetsCheck()
         functools.update_wrapper(self, train_step)
 
     def __call__(self, *args, **kwargs):
+        self.targets_check.before_call()
         if self.ledger is not None:
             self.ledger.at_step_start()
         with contextlib.ExitStack() as stack:
@@ -332,7 +338,9 @@ class CompiledStep:
                 stack.enter_context(calls.routed())
             for opt_step in self.optimizer_steps:
                 stack.enter_context(opt_step.routed())
-            return self.compiled(*args, **kwargs)
+            result = self.compiled(*args, **kwargs)
+        self.targets_check.after_call()
+        return result
 
 
 def compile_step(train_step: Callable, *, passes: list[str] | None = None, memory_budget: float | None = None,

@@ -253,3 +253,23 @@ def test_repeated_blocks_without_parameters():
     step = compile_stack.compile_step(lambda x, y: mean_cross_entropy(model(x), y), codegen=False)
     assert [len(c.blocks) for c in step.block_calls] == [3]
     torch.testing.assert_close(step(inputs, targets), mean_cross_entropy(eager(inputs), targets))
+
+
+def test_an_out_of_range_target_raises_at_the_next_call():
+    """The fused loss only flags a bad target (a device flag: reading it would sync every step);
+    the compiled step reads the flag at its next call and raises the loss's error, once."""
+    torch._dynamo.reset()
+    registry.REPORT.clear()
+    torch.manual_seed(0)
+    model = gpt(2)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)  # unfused: no update checks the flag itself
+    step = compile_stack.compile_step(make_train_step(model, mean_cross_entropy, optimizer), codegen=False)
+    (inputs, targets), = batches(1)
+    step(inputs, targets)
+    assert registry.REPORT.replacements["cross_entropy"] == 1
+    bad = targets.clone()
+    bad[0, 3] = VOCAB
+    assert torch.isnan(step(inputs, bad))
+    with pytest.raises(ValueError, match=r"^targets: expected values in \[0, V\) or ignore_index"):
+        step(inputs, targets)
+    step(inputs, targets)  # reported once
