@@ -24,7 +24,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import compile_stack  # noqa: E402
 from compile_stack.config import PRESETS  # noqa: E402
 from compile_stack.reference import AdamW, build_model, cross_entropy  # noqa: E402
-from run_step import build_user_model, load_object  # noqa: E402
+from compile_stack.harness.user_code import build_user_model, load_object  # noqa: E402
 
 
 def parse_args(argv=None):

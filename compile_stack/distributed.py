@@ -183,17 +183,3 @@ def full_params(module: nn.Module) -> dict[str, torch.Tensor]:
     with torch.no_grad():
         return {name: (p.full_tensor() if isinstance(p, DTensor) else p).detach().clone()
                 for name, p in module.named_parameters()}
-
-
-def rank_summary(step_ms: float, peak_mem_gib: float) -> dict:
-    """This rank's step time and peak memory, gathered to every rank; the step is the slowest rank's."""
-    mine = {"step_ms": step_ms, "peak_mem_gib": peak_mem_gib}
-    ranks = [None] * dist.get_world_size()
-    dist.all_gather_object(ranks, mine)
-    return {
-        "world_size": len(ranks),
-        "step_ms": round(max(r["step_ms"] for r in ranks), 2),
-        "step_ms_per_rank": [round(r["step_ms"], 2) for r in ranks],
-        "peak_mem_gib_per_rank": [round(r["peak_mem_gib"], 2) for r in ranks],
-        "peak_mem_gib": round(max(r["peak_mem_gib"] for r in ranks), 2),
-    }

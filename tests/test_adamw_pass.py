@@ -11,7 +11,7 @@ import passes.param_data  # noqa: F401
 from compile_stack import capture, reference
 from compile_stack.capture import PassBackend
 from compile_stack.config import PRESETS
-from run_step import make_train_step
+from compile_stack.harness.user_code import make_train_step
 from custom_ops.adamw import fused_adamw
 from passes import registry
 from tests.helpers import HAS_CUDA

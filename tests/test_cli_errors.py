@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 
 import run_step
+from compile_stack.harness import plan, user_code
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -48,8 +49,9 @@ def no_work(monkeypatch):
     def refuse(*args, **kwargs):
         raise AssertionError("the run started before the options were checked")
 
-    for name in ("build_model", "build_user_model", "make_train_step", "choose_budget"):
-        monkeypatch.setattr(run_step, name, refuse)
+    for module, name in ((user_code, "build_model"), (user_code, "build_user_model"),
+                         (user_code, "make_train_step"), (plan, "choose_budget")):
+        monkeypatch.setattr(module, name, refuse)
 
 
 def argv_of(case: str, tmp_path: Path) -> list[str]:

@@ -23,7 +23,7 @@ from compile_stack.reference import AdamW, build_model
 import compile_stack
 from compile_stack.reference import cross_entropy
 from compile_stack.user_step import StepOptions
-from run_step import make_train_step
+from compile_stack.harness.user_code import make_train_step
 from compile_stack.harness.stock import StockStep
 from tests.helpers import HAS_CUDA, rel_err
 

@@ -7,7 +7,7 @@ from compile_stack.capture import PassBackend
 from compile_stack.config import PRESETS, ModelConfig
 import compile_stack
 from compile_stack.reference import AdamW, Block, RotaryEmbedding, build_model, cross_entropy
-from run_step import make_train_step
+from compile_stack.harness.user_code import make_train_step
 
 # Block proportions of the full preset (d_ff ≈ 2.7·d, head dim 64), small enough for the CPU; two
 # blocks, so that they compile as one block graph between the embedding and the head.

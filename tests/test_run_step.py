@@ -57,11 +57,11 @@ def test_eager_step_with_stock_comparison(tmp_path, cache, monkeypatch):
     """Both steps timed; ours is freed before the stock one is built (both fit only one at a time)."""
     import weakref
 
-    from compile_stack.harness import stock
+    from compile_stack.harness import stock, user_code
 
     ours, freed_before_stock = [], []
-    build = run_step.build_model
-    monkeypatch.setattr(run_step, "build_model", lambda *a: ours.append(weakref.ref(m := build(*a))) or m)
+    build = user_code.build_model
+    monkeypatch.setattr(user_code, "build_model", lambda *a: ours.append(weakref.ref(m := build(*a))) or m)
     stock_init = stock.StockStep.__init__
 
     def init(self, model, *a, **kw):
@@ -111,6 +111,7 @@ def test_blocks_compiled_once_match_the_whole_graph():
     import torch
 
     from compile_stack.config import PRESETS
+    from compile_stack.harness.user_code import make_train_step
     from compile_stack.reference import AdamW, build_model, cross_entropy
     from passes import registry
 
@@ -122,7 +123,7 @@ def test_blocks_compiled_once_match_the_whole_graph():
         torch.manual_seed(0)
         model = build_model(cfg, "cpu", torch.float32)
         ids = torch.randint(cfg.vocab, (cfg.batch, cfg.seq))
-        train_step = run_step.make_train_step(model, cross_entropy, AdamW(model.parameters()))
+        train_step = make_train_step(model, cross_entropy, AdamW(model.parameters()))
         step = compile_stack.compile_step(train_step, codegen=False, blocks=blocks)
         loss = step(ids, ids).item()
         block_graphs = [calls.backend.graphs for calls in step.block_calls]

@@ -2,4 +2,11 @@
 
 The library (``compile_step``, the backend, repeated blocks, FSDP2, the memory
 plan) never imports this package; the harness uses the library as a user does.
+One phase of a run a module: ``options`` (the command line, checked before any
+work), ``plan`` (device, config, budget, fit), ``user_code``, ``build``,
+``check``, ``measure``, ``profiling``, ``compare`` (with ``stock``), ``report``.
 """
+import os
+
+# Read at CUDA's first allocation: a step that plans to fill ~120 GiB cannot afford fragmentation.
+os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")

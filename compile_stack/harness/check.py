@@ -7,7 +7,11 @@ two differ by bf16 rounding, not by zero; the tolerances below are set for
 bf16 models and are far below what any wrong rewrite produces (a dropped
 mask, scale or bias correction moves these by O(1)).
 """
+import json
+
 import torch
+
+from compile_stack.harness.report import log
 
 STEPS = 2
 TOLERANCES = {
@@ -44,4 +48,14 @@ def compare_steps(compiled_step, eager_step, compiled_model, eager_model, batche
     tolerances = FP32_TOLERANCES if params_e[0].dtype == torch.float32 else TOLERANCES
     result["tolerances"] = tolerances
     result["ok"] = all(result[k] <= tol for k, tol in tolerances.items())
+    return result
+
+
+def check_against_eager(ours, code) -> dict:
+    """``STEPS`` steps of ours (a ``build.Built``) against the eager step of ``code`` on its
+    ``eager_twin``, which is then freed; the errors and ``ok``."""
+    log(f"check: {STEPS} steps compiled vs eager from the same weights and data...")
+    twin, ours.eager_twin = ours.eager_twin, None
+    result = compare_steps(ours.step, code.train_step(twin), ours.model, twin, [ours.batch] * STEPS)
+    log(f"check: {json.dumps(result)}")
     return result

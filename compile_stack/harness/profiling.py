@@ -16,12 +16,14 @@ ran under compute (``comm_overlap`` in the summary).
 import re
 from collections import defaultdict
 from collections.abc import Callable
+from pathlib import Path
 
 import torch
 from torch.autograd import DeviceType
 from torch.profiler import ProfilerActivity, profile
 
 from compile_stack.config import ModelConfig
+from compile_stack.harness.report import log
 
 TOP_KERNELS = 12
 CATEGORIES = ("attention", "matmul", "cross_entropy", "optimizer", "elementwise_norm", "communication", "other")
@@ -70,6 +72,19 @@ def profile_step(step_fn, cfg: ModelConfig, trace_path: str) -> dict:
     prof = record(step_fn)
     prof.export_chrome_trace(str(trace_path))
     return breakdown(prof.key_averages(), cfg)
+
+
+def profile_rank(step_fn, plan, trace_path: Path) -> dict:
+    """``--profile``: one step of this rank into its trace (``trace.rank1.json`` under torchrun,
+    where the rates count this rank's share of the batch); the breakdown, printed."""
+    cfg = plan.cfg
+    if plan.world > 1:
+        trace_path = trace_path.with_name(f"{trace_path.stem}.rank{plan.rank}{trace_path.suffix}")
+        cfg = cfg.with_overrides(batch=cfg.batch // plan.world)
+    log(f"profiling one step into {trace_path}...")
+    result = profile_step(step_fn, cfg, trace_path)
+    log(format_breakdown(result))
+    return result
 
 
 def is_device_work(event) -> bool:

@@ -1,0 +1,43 @@
+"""``--compare stock``: the step a stock PyTorch user would build, timed as ours was, in the same
+process once ours is freed (both fit only one at a time at the full preset)."""
+import gc
+
+import torch
+
+from compile_stack import distributed, memory
+from compile_stack.harness.measure import FirstCallTimer, measure
+from compile_stack.harness.report import log
+from compile_stack.harness.stock import StockStep
+
+
+def compare_stock(args, plan, code, batch, ours: dict) -> dict:
+    """Build the stock step on fresh weights and time it; its figures, speedup and memory ratio.
+
+    For the reference model (``code`` a ``user_code.StepCode``): the stock-parts step (stock.py).
+    For the user's own code: the same step compiled by stock ``torch.compile`` (Inductor, none of
+    our passes). Under torchrun it is sharded as ours is (FSDP2, a group per block) and steps on
+    this rank's share of the batch; its step time is the slowest rank's, its peak the largest.
+    """
+    torch._dynamo.reset()  # compiled code and its guards may still refer to our model
+    gc.collect()  # the compiled pieces and their modules refer to each other
+    if plan.device.type == "cuda":
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(plan.device)
+        log(f"[stock] memory still allocated after freeing ours: "
+            f"{torch.cuda.memory_allocated(plan.device) / memory.GIB:.2f} GiB")
+    torch.manual_seed(args.seed)
+    if not code.own:
+        log("[stock] building the stock step (torch.compile per block, SDPA, checkpointing, fused AdamW)...")
+        step = StockStep(code.build_model(plan.cfg, plan.device, plan.dtype), sharded=plan.world > 1)
+    else:
+        log("[stock] building your step compiled by stock torch.compile (none of our passes)...")
+        model = code.build_model(plan.cfg, plan.device, plan.dtype)
+        if plan.world > 1:
+            distributed.shard_blocks(model)
+        step = torch.compile(code.train_step(model))
+    stock = measure(FirstCallTimer(step), batch, args, plan, "stock")
+    return {
+        "stock": stock,
+        "speedup": round(stock["step_ms"] / ours["step_ms"], 3),
+        "memory_ratio": round(ours["peak_mem_gib"] / stock["peak_mem_gib"], 3) if stock["peak_mem_gib"] else None,
+    }

@@ -1,0 +1,102 @@
+"""Timing a step as run_step reports it: the first (compiling) call, warm-up, the median of timed
+steps, tokens/s, peak memory and MFU; under torchrun, every rank's figures.
+
+The timed steps sync anyway, so after each one the fused ops' bad-target flags
+are read at no extra wait: a bad batch stops the run at the step that saw it.
+"""
+import statistics
+import time
+
+import torch
+import torch.distributed as dist
+
+from compile_stack import memory
+from compile_stack.config import H200_PEAK_BF16_FLOPS
+from compile_stack.harness.report import log
+from compile_stack.targets import raise_on_bad_targets
+
+
+class FirstCallTimer:
+    """Wraps a step; remembers how long its first (compiling) call took, synchronized."""
+
+    def __init__(self, step):
+        self.step = step
+        self.first_s = None
+
+    def __call__(self, *batch):
+        if self.first_s is not None:
+            return self.step(*batch)
+        t0 = time.perf_counter()
+        loss = self.step(*batch)
+        loss.detach().item()  # synchronizes
+        self.first_s = time.perf_counter() - t0
+        raise_on_bad_targets()
+        return loss
+
+
+def timed_steps(step, batch, n: int, device: torch.device) -> tuple[list[float], float]:
+    """Milliseconds per step (CUDA events on a GPU, the wall clock on a CPU), and the last loss."""
+    times = []
+    for i in range(n):
+        if device.type == "cuda":
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            loss = step(*batch)
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end))
+        else:
+            t0 = time.perf_counter()
+            loss = step(*batch)
+            times.append((time.perf_counter() - t0) * 1e3)
+        raise_on_bad_targets()  # synced above: outside the timing
+        log(f"  step {i + 1}/{n}: {times[-1]:.1f} ms")
+    return times, loss.detach().item()
+
+
+def peak_memory_gib(device: torch.device) -> float:
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / memory.GIB
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / memory.GIB
+
+
+def measure(step: FirstCallTimer, batch, args, plan, label: str) -> dict:
+    """First (compiling) step unless it already ran, warm-up, timed steps; the summary figures."""
+    if step.first_s is None:
+        log(f"[{label}] first step (compiles when compiled)...")
+        step(*batch)
+    log(f"[{label}] first step took {step.first_s:.1f} s")
+    for i in range(args.warmup):
+        step(*batch)
+        log(f"[{label}] warm-up {i + 1}/{args.warmup}")
+    log(f"[{label}] timing {args.steps} steps...")
+    times, loss = timed_steps(step, batch, args.steps, plan.device)
+    step_ms = statistics.median(times)
+    figures = {
+        "compile_s": round(step.first_s, 2),
+        "step_ms": round(step_ms, 2),
+        "tokens_per_s": round(plan.cfg.tokens / (step_ms / 1e3), 1),
+        "peak_mem_gib": round(peak_memory_gib(plan.device), 2),
+        "mfu": round(plan.cfg.flops_per_step / (step_ms / 1e3) / H200_PEAK_BF16_FLOPS, 4),
+        "loss": round(loss, 5),
+    }
+    if plan.world > 1:
+        figures.update(rank_summary(figures["step_ms"], figures["peak_mem_gib"]))
+        figures["mfu"] = round(figures["mfu"] / plan.world, 4)  # a share of world GPUs' peak
+    return figures
+
+
+def rank_summary(step_ms: float, peak_mem_gib: float) -> dict:
+    """This rank's step time and peak memory, gathered to every rank; the step is the slowest rank's."""
+    mine = {"step_ms": step_ms, "peak_mem_gib": peak_mem_gib}
+    ranks = [None] * dist.get_world_size()
+    dist.all_gather_object(ranks, mine)
+    return {
+        "world_size": len(ranks),
+        "step_ms": round(max(r["step_ms"] for r in ranks), 2),
+        "step_ms_per_rank": [round(r["step_ms"], 2) for r in ranks],
+        "peak_mem_gib_per_rank": [round(r["peak_mem_gib"], 2) for r in ranks],
+        "peak_mem_gib": round(max(r["peak_mem_gib"] for r in ranks), 2),
+    }
