@@ -3,14 +3,10 @@
 CPU tests cover the torch path (through the ops and autograd); interpreter tests call
 the Triton launchers on tiny CPU tensors; GPU tests run the Triton kernels in bf16/fp16,
 and on an sm_90 GPU the Gluon forward and backward (which the interpreter cannot run: on the
-CPU they are only compiled for sm_90).
+CPU tests/test_gpu_compile.py compiles them for sm_90); a CPU test checks which GPUs and inputs
+dispatch gives them.
 """
-import json
 import math
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -249,31 +245,6 @@ def test_row_stats_for_the_gluon_backward():
     torch.testing.assert_close(A._delta(out, dout), (out * dout).sum(-1))  # without lse: delta alone
 
 
-HOPPER_SHARED_BYTES = 232_448  # 227 KiB: the most shared memory one thread block gets on an H100/H200
-HOPPER_BWD_SPILL_BYTES = 80  # register spill stores per thread the bf16 Gluon backward may have
-
-
-@pytest.mark.slow
-def test_tile_table_compiles_for_hopper():
-    """Every 16-bit tile-table kernel and the Gluon forward and backward compile for sm_90 and fit
-    an SM's shared memory; the Gluon backward keeps its spills, the forward has none (CPU only)."""
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    script = Path(__file__).with_name("sm90_compile.py")
-    result = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=600)
-    assert result.returncode == 0, result.stderr[-3000:]
-    report = json.loads(result.stdout.splitlines()[-1])
-    shared = report["shared"]
-    assert len(shared) == 3 * len(A.HEAD_DIMS) + 4 and all(v > 0 for v in shared.values())
-    over = {k: v for k, v in shared.items() if v > HOPPER_SHARED_BYTES}
-    assert not over, f"these tile configs need more shared memory than an SM has: {over}"
-    # Measured on an H200 at one rank's shape (BENCHMARKS.md): 80 bytes ran 42.6 ms, 100 ran 44.6,
-    # and 188 ran 14% slower than 100.
-    spilled = report["spills"]["hopper_bwd bfloat16"]
-    assert spilled <= HOPPER_BWD_SPILL_BYTES, f"the bf16 Gluon backward spills {spilled} bytes per thread"
-    fwd_spills = {k: v for k, v in report["spills"].items() if k.startswith("hopper_fwd")}
-    assert len(fwd_spills) == 2 and not any(fwd_spills.values()), f"the Gluon forward spills: {fwd_spills}"
-
-
 # --------------------------------------------------------------------------- empty batch or heads
 
 EMPTY_SHAPES = [(0, 2, 8, 16), (1, 0, 8, 16), (0, 8, 16)]
@@ -450,6 +421,19 @@ def test_gpu_hopper_kernels_step_layouts(dtype):
     out, lse = A.hopper_fwd(q, k, v, True, 0.125)
     assert_close((out, lse), ref[:2], dtype, ("out", "lse"))
     assert_close(A.hopper_bwd(dout, q, k, v, out, lse, True, 0.125), ref[2:], dtype, ("dq", "dk", "dv"))
+
+
+@pytest.mark.parametrize("capability", [(9, 0), (10, 0), (10, 3), (12, 0), (8, 0), (8, 9)])
+def test_dispatch_picks_gluon_on_sm90_only(capability):
+    """The Gluon kernels are Hopper-only (wgmma): an sm_90 GPU takes them for the inputs they
+    cover, sm_100 (the B200), sm_120 and pre-Hopper GPUs the Triton ones, whose one tile table
+    tests/test_gpu_compile.py checks for sm_100 too (CPU only)."""
+    hopper = capability == (9, 0)
+    assert A.hopper_kernels_accept(capability, 128, torch.bfloat16, 1024, 1024) == hopper
+    assert A.hopper_kernels_accept(capability, 128, torch.float16, 256, 640) == hopper
+    for d, dtype, sq, sk in ((64, torch.bfloat16, 1024, 1024), (128, torch.float32, 1024, 1024),
+                             (128, torch.bfloat16, 1000, 1000), (128, torch.float16, 256, 200)):
+        assert not A.hopper_kernels_accept(capability, d, dtype, sq, sk), (d, dtype, sq, sk)
 
 
 @pytest.mark.gpu

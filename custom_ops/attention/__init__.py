@@ -29,7 +29,8 @@ from custom_ops.attention.triton_kernels import (
     triton_bwd, triton_fwd)
 from custom_ops.attention.gluon_kernels import (
     DQ_FRAGMENTS, _attn_bwd_hopper_kernel, _attn_dq_from_fragments_kernel, _attn_fwd_hopper_kernel, _dq_layout,
-    _fragments_desc, _rows_desc, dq_from_fragments, hopper_bwd, hopper_fwd, uses_hopper_kernels)
+    _fragments_desc, _rows_desc, dq_from_fragments, hopper_bwd, hopper_fwd, hopper_kernels_accept,
+    uses_hopper_kernels)
 from custom_ops.attention.op import (
     attention_flops, check_attention_args, check_bwd_args, flash_attention, flash_attention_bwd,
     flash_attention_fwd)

@@ -33,10 +33,12 @@ class AttnConfig:
     dq: Tiles
 
 
-# Triton kernels on Hopper (sm_90), keyed by (head dim, dtype). Fixed on purpose: autotuning
-# would cost compile time the whole-step budget does not have. The D=64 and D=128 16-bit rows
-# are the winners of `benchmarks/bench_attention.py --sweep` on an H200 (BENCHMARKS.md); the
-# other rows are untimed guesses.
+# Triton kernels, keyed by (head dim, dtype): one table for every CUDA GPU, chosen on Hopper
+# (sm_90); tests/gpu_compile.py checks that the 16-bit rows fit a block's shared memory on
+# sm_90 and on sm_100 (B200). Fixed on purpose: autotuning would cost compile time the
+# whole-step budget does not have. The D=64 and D=128 16-bit rows are the winners of
+# `benchmarks/bench_attention.py --sweep` on an H200 (BENCHMARKS.md); the other rows are
+# untimed guesses.
 _SM90_16BIT = {
     16: AttnConfig(Tiles(128, 64, 4, 3), Tiles(32, 128, 4, 3), Tiles(128, 64, 4, 3)),
     32: AttnConfig(Tiles(128, 64, 4, 3), Tiles(32, 128, 4, 3), Tiles(128, 64, 4, 3)),

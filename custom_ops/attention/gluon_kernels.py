@@ -296,11 +296,18 @@ def _attn_fwd_hopper_kernel(q_desc, k_desc, v_desc, o_desc, LSE, qk_scale, SQ, S
 
 
 def uses_hopper_kernels(q: torch.Tensor, k: torch.Tensor) -> bool:
-    """Whether the CUDA ops run the Gluon kernels (``hopper_fwd``, ``hopper_bwd``): an sm_90 GPU,
-    D = 128, 16-bit, and Sq and Sk in whole 128-row tiles. Every other input takes the Triton ones."""
+    """Whether the CUDA ops run the Gluon kernels (``hopper_fwd``, ``hopper_bwd``) on these inputs
+    (``hopper_kernels_accept``); every other input takes the Triton ones."""
+    return q.is_cuda and hopper_kernels_accept(torch.cuda.get_device_capability(q.device), q.shape[-1], q.dtype,
+                                               q.shape[-2], k.shape[-2])
+
+
+def hopper_kernels_accept(capability: tuple[int, int], head_dim: int, dtype: torch.dtype, sq: int, sk: int) -> bool:
+    """The dispatch rule, apart from the device so CPU tests can check it: an sm_90 GPU exactly (the
+    kernels use wgmma, which sm_100 and older GPUs lack), D = 128, 16-bit, Sq and Sk in whole 128-row tiles."""
     tile = math.lcm(HOPPER_FWD.block_m, HOPPER_FWD.block_n, HOPPER_BWD.block_m, HOPPER_BWD.block_n)
-    return (q.is_cuda and torch.cuda.get_device_capability(q.device) == (9, 0) and q.shape[-1] == 128
-            and q.dtype in (torch.bfloat16, torch.float16) and q.shape[-2] % tile == 0 and k.shape[-2] % tile == 0)
+    return (capability == (9, 0) and head_dim == 128 and dtype in (torch.bfloat16, torch.float16)
+            and sq % tile == 0 and sk % tile == 0)
 
 
 _GLUON_DTYPES = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16, torch.float32: gl.float32}

@@ -1,0 +1,171 @@
+"""Compile, on the CPU, the kernels that dispatch runs on one GPU architecture.
+
+    python tests/gpu_compile.py --arch 90   # Hopper: every Triton kernel, and the Gluon kernels
+    python tests/gpu_compile.py --arch 100  # Blackwell (B200): every Triton kernel
+    ->  one JSON line:
+        {"arch": 90, "shared_limit": bytes, "shared": {"<kernel> <config>": bytes, ...},
+         "over": [names whose shared memory exceeds shared_limit],
+         "spills": {"hopper_bwd <dtype>": bytes of register spill stores per thread, ...}}  (sm_90 only)
+
+Triton's compiler and the ptxas it ships (ptxas-blackwell for sm_100) run without a GPU, so
+CPU CI can catch what the interpreter cannot: a kernel that does not compile for a GPU we
+cannot run, a tile config whose pipeline needs more shared memory than a block may have, or
+a change that makes a Gluon kernel spill registers (their speed hangs on them:
+BENCHMARKS.md). The Gluon kernels are compiled for sm_90 only: they use wgmma, which sm_100
+does not have, and dispatch never runs them there (``hopper_kernels_accept``). Run as its own
+process because the test session defines the kernels in interpreter mode.
+"""
+import argparse
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+
+import torch
+import triton
+import triton.compiler as tc
+from triton.backends.compiler import GPUTarget
+from triton.experimental.gluon._runtime import GluonASTSource
+from triton.runtime.jit import mangle_type
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+from custom_ops.adamw import configs as adamw_configs  # noqa: E402
+from custom_ops.adamw import triton_kernels as adamw_kernels  # noqa: E402
+from custom_ops.attention import configs, gluon_kernels, triton_kernels  # noqa: E402
+from custom_ops.linear_cross_entropy import configs as xent_configs  # noqa: E402
+from custom_ops.linear_cross_entropy import triton_kernels as xent_kernels  # noqa: E402
+
+# The most shared memory one thread block may opt into: 227 KiB on sm_90 and on sm_100
+# (CUDA C++ Programming Guide, "Technical Specifications per Compute Capability").
+SHARED_LIMIT = {90: 232_448, 100: 232_448}
+VOCAB = 151_936  # the step's vocabulary (compile_stack/config.py): the row kernel's V is a constexpr
+
+
+def _options(t: configs.Tiles) -> dict:
+    return {"num_warps": t.num_warps, "num_stages": t.num_stages}
+
+
+def _desc(rows: int, d: int) -> str:
+    return f"tensordesc<bf16[1,1,{rows},{d}]>"
+
+
+def attention_sources(d: int):
+    """(name, ASTSource, compile options) of the causal bf16 forward, dK/dV, dQ and delta kernels for head dim d."""
+    cfg = configs.CONFIGS[(d, torch.bfloat16)]
+    scalars = {"qk_scale": "fp32", "H": "i32", "SQ": "i32", "SK": "i32"}
+    for name, fn, outputs in (("fwd", triton_kernels._attn_fwd_kernel, ("O",)),
+                              ("dkdv", triton_kernels._attn_bwd_dkdv_kernel, ("DK", "DV")),
+                              ("dq", triton_kernels._attn_bwd_dq_kernel, ("DQ",))):
+        t = getattr(cfg, name)
+        sig = {"q_desc": _desc(t.block_m, d), "k_desc": _desc(t.block_n, d), "v_desc": _desc(t.block_n, d)}
+        if name != "fwd":
+            sig["do_desc"] = _desc(t.block_m, d)
+        sig.update({o: "*bf16" for o in outputs})
+        sig.update({"LSE": "*fp32"} if name == "fwd" else {"LSE": "*fp32", "DELTA": "*fp32", "scale": "fp32"})
+        sig.update(scalars)
+        constexprs = {"IS_CAUSAL": True, "HEAD_D": d, "BLOCK_M": t.block_m, "BLOCK_N": t.block_n, "PREC": "tf32"}
+        sig.update({k: "constexpr" for k in constexprs})
+        yield f"{name} D{d}", tc.ASTSource(fn=fn, signature=sig, constexprs=constexprs), _options(t)
+    yield f"delta D{d}", delta_source(d, configs.DELTA_BLOCK_M, with_lse=False), {}
+
+
+def delta_source(d: int, rows: int, with_lse: bool):
+    """The delta kernel (launched with Triton's default warps and stages); with_lse: the Gluon backward's row stats."""
+    constexprs = {"HEAD_D": d, "BLOCK_M": rows, "WITH_LSE": with_lse}
+    sig = {"o_desc": _desc(rows, d), "do_desc": _desc(rows, d), "LSE": "*fp32", "DELTA": "*fp32", "H": "i32",
+           "SQ": "i32", **{k: "constexpr" for k in constexprs}}
+    return tc.ASTSource(fn=triton_kernels._attn_bwd_delta_kernel, signature=sig, constexprs=constexprs)
+
+
+def row_kernel_sources():
+    """(name, ASTSource, compile options) of the fused cross-entropy's row kernel (bf16 logits, the step's
+    vocabulary) and of the AdamW kernel (bf16 params and states), at their launch configs."""
+    block_v = xent_configs.block_v_for(VOCAB)
+    constexprs = {"V": VOCAB, "BLOCK_V": block_v}
+    sig = {"logits_ptr": "*bf16", "targets_ptr": "*i64", "loss_ptr": "*fp32", "scale_ptr": "*fp32",
+           "flag_ptr": "*i32", "ignore_index": "i32", **{k: "constexpr" for k in constexprs}}
+    yield (f"xent_rows V{VOCAB}", tc.ASTSource(fn=xent_kernels._xent_rows_kernel, signature=sig, constexprs=constexprs),
+           {"num_warps": xent_configs.num_warps_for(block_v)})
+    bf16 = adamw_kernels._TL_DTYPES[torch.bfloat16]
+    constexprs = {"P_DTYPE": bf16, "G_DTYPE": bf16, "M_DTYPE": bf16, "V_DTYPE": bf16, "TORCH_SEMANTICS": True,
+                  "BLOCK": adamw_configs.BLOCK}
+    sig = {"table_ptr": "*i64", "block_tensor_ptr": "*i32", "lr_ptr": "*fp32", "step_ptr": "*fp32",
+           "flag_ptr": "*i32", "targets_flag_ptr": "*i32",
+           **{k: "fp32" for k in ("beta1", "beta2", "one_minus_beta1", "one_minus_beta2", "log_beta1", "log_beta2",
+                                  "eps", "weight_decay")},
+           **{k: "constexpr" for k in constexprs}}
+    yield ("adamw bf16", tc.ASTSource(fn=adamw_kernels._adamw_kernel, signature=sig, constexprs=constexprs),
+           {"num_warps": adamw_configs.NUM_WARPS})
+
+
+def _gluon_desc(rows: int, dtype: torch.dtype) -> str:
+    return mangle_type(gluon_kernels._rows_desc(torch.empty(512, 128, dtype=dtype), rows))
+
+
+def hopper_sources():
+    """(name, source, compile options) of the Gluon forward and backward (causal bf16 and non-causal fp16),
+    and of the two Triton kernels only their path runs: the row-stats delta and the dQ cast."""
+    fwd, bwd = configs.HOPPER_FWD, configs.HOPPER_BWD
+    for dtype, causal in ((torch.bfloat16, True), (torch.float16, False)):
+        tensor = mangle_type(torch.empty(0, dtype=dtype))
+        kernels = {
+            "hopper_fwd": (gluon_kernels._attn_fwd_hopper_kernel, fwd, {
+                "q_desc": _gluon_desc(fwd.block_m, dtype), "k_desc": _gluon_desc(fwd.block_n, dtype),
+                "v_desc": _gluon_desc(fwd.block_n, dtype), "o_desc": _gluon_desc(fwd.block_m // 2, dtype),
+                "LSE": "*fp32", "qk_scale": "fp32", "SQ": "i32", "SK": "i32",
+            }, {"COMPUTE_REGS": configs.HOPPER_FWD_COMPUTE_REGS}),
+            "hopper_bwd": (gluon_kernels._attn_bwd_hopper_kernel, bwd, {
+                "q_desc": _gluon_desc(bwd.block_m, dtype), "k_desc": _gluon_desc(bwd.block_n, dtype),
+                "v_desc": _gluon_desc(bwd.block_n, dtype), "do_desc": _gluon_desc(bwd.block_m, dtype),
+                "dq_desc": mangle_type(gluon_kernels._fragments_desc(torch.empty(512, 128))),
+                "DK": tensor, "DV": tensor,
+                "STATS": "*fp32", "qk_scale": "fp32", "scale": "fp32", "SQ": "i32", "SK": "i32",
+            }, {"num_warps": bwd.num_warps}),
+        }
+        for name, (fn, t, sig, extra) in kernels.items():
+            constexprs = {"IS_CAUSAL": causal, "HEAD_D": 128, "BLOCK_M": t.block_m, "BLOCK_N": t.block_n,
+                          "STAGES": t.num_stages, **extra}
+            sig.update({k: "constexpr" for k in constexprs})
+            yield f"{name} {str(dtype)[6:]}", GluonASTSource(fn=fn, signature=sig, constexprs=constexprs), _options(t)
+    yield "delta_stats D128", delta_source(128, configs.HOPPER_BWD_ROWS, with_lse=True), {}
+    yield ("dq_from_fragments bf16",
+           tc.ASTSource(fn=gluon_kernels._attn_dq_from_fragments_kernel, signature={"ACC": "*fp32", "DQ": "*bf16"}),
+           {"num_warps": 8})  # as dq_from_fragments launches it
+
+
+PTXAS = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
+
+
+def spill_bytes(ptx: str) -> int:
+    """Bytes of register spill stores per thread that ptxas reports for ``ptx`` on sm_90a."""
+    with tempfile.NamedTemporaryFile("w", suffix=".ptx") as f:
+        f.write(ptx)
+        f.flush()
+        report = subprocess.run([PTXAS, "-v", "--gpu-name", "sm_90a", f.name, "-o", os.devnull],
+                                capture_output=True, text=True, check=True).stderr
+    return sum(int(n) for n in re.findall(r"(\d+) bytes spill stores", report))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--arch", type=int, choices=sorted(SHARED_LIMIT), required=True,
+                        help="compute capability major·10 + minor: 90 (H100/H200) or 100 (B200)")
+    arch = parser.parse_args().arch
+    sources = [s for d in configs.HEAD_DIMS for s in attention_sources(d)] + list(row_kernel_sources())
+    if arch == 90:
+        sources += hopper_sources()
+    shared, spills = {}, {}
+    for name, src, options in sources:
+        kernel = triton.compile(src, target=GPUTarget("cuda", arch, 32), options=options)
+        shared[name] = kernel.metadata.shared
+        if name.startswith("hopper"):
+            spills[name] = spill_bytes(kernel.asm["ptx"])
+    over = sorted(name for name, n in shared.items() if n > SHARED_LIMIT[arch])
+    print(json.dumps({"arch": arch, "shared_limit": SHARED_LIMIT[arch], "shared": shared, "over": over,
+                      "spills": spills}))
+
+
+if __name__ == "__main__":
+    main()
