@@ -26,6 +26,7 @@ Gradients are not subtracted: they appear as the backward frees saved
 activations, and the larger of the two is what is alive at once.
 """
 import hashlib
+import weakref
 from collections.abc import Callable, Iterable
 from pathlib import Path
 
@@ -84,8 +85,11 @@ class MemoryLedger:
 
     @classmethod
     def for_device(cls, device: torch.device, optimizers: list) -> "MemoryLedger":
-        return cls(memory.USABLE_FRACTION * memory.device_bytes(device),
-                   lambda: torch.cuda.memory_allocated(device), lambda: lazy_optimizer_state_bytes(optimizers))
+        """The ledger of a step on ``device``. It holds the optimizers weakly: Dynamo's caches keep
+        our backends, and through them this ledger, alive after the step is gone."""
+        refs = [weakref.ref(opt) for opt in optimizers]
+        return cls(memory.USABLE_FRACTION * memory.device_bytes(device), lambda: torch.cuda.memory_allocated(device),
+                   lambda: lazy_optimizer_state_bytes([opt for ref in refs if (opt := ref()) is not None]))
 
     def at_step_start(self) -> None:
         self.resident = self._allocated()

@@ -6,7 +6,9 @@ memory keeps the budget-1.0 plan; less makes the backend search down and keep
 a plan that fits; too little keeps the least plan and warns. Every plan gives
 eager's gradients.
 """
+import gc
 import warnings
+import weakref
 
 import pytest
 import torch
@@ -112,6 +114,18 @@ def test_lazy_state_counts_two_moments_per_parameter_without_state():
     a.grad, b.grad = torch.ones_like(a), torch.ones_like(b)
     opt.step()
     assert lazy_optimizer_state_bytes([opt]) == 0
+
+
+def test_the_ledger_does_not_keep_the_optimizer_alive():
+    """Dynamo's caches keep our backends and their ledger; the model's state must still be freed."""
+    model = nn.Linear(3, 3)
+    opt = torch.optim.AdamW(model.parameters())
+    book = MemoryLedger.for_device(torch.device("cpu"), [opt])
+    assert book.future_state() == 2 * 4 * 12
+    gone = weakref.ref(opt)
+    del opt
+    gc.collect()
+    assert gone() is None and book.future_state() == 0
 
 
 def test_no_ledger_for_a_step_on_the_cpu():
