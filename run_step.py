@@ -22,7 +22,7 @@ from compile_stack.harness.build import build_step, use_caches
 from compile_stack.harness.check import check_against_eager
 from compile_stack.harness.compare import compare_stock
 from compile_stack.harness.measure import measure
-from compile_stack.harness.options import OVERRIDES, check_args, passes_of
+from compile_stack.harness.options import OVERRIDES, HelpFormatter, check_args, passes_of
 from compile_stack.harness.plan import plan_run
 from compile_stack.harness.profiling import profile_overlap, profile_rank
 from compile_stack.harness.report import pass_summary, print_summary, write_summary
@@ -33,7 +33,7 @@ from compile_stack.targets import raise_on_bad_targets
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(
         description=__doc__.split("\n\n")[0],
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        formatter_class=HelpFormatter,
     )
     p.add_argument("--compile", action="store_true", help="compile the step (default: run it eagerly)")
     p.add_argument("--preset", choices=sorted(PRESETS), help="model size (default: the largest that fits; tiny on CPU)")
@@ -43,7 +43,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--warmup", type=int, default=3, help="untimed steps after the first (compiling) step")
     p.add_argument("--device", help="cuda or cpu (default: cuda when available)")
     p.add_argument("--dtype", choices=("bfloat16", "float32"), default="bfloat16", help="model dtype")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0, help="seed of the weights and the batch")
     p.add_argument("--model", metavar="MODULE:FACTORY",
                    help="your model: FACTORY(vocab_size=, context_length=, d_model=, num_layers=, num_heads=, d_ff=) "
                         "returns an nn.Module mapping token ids [B, S] to logits [B, S, V] (MODULE: an importable "

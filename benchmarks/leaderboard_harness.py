@@ -25,11 +25,12 @@ import compile_stack  # noqa: E402
 from compile_stack.config import PRESETS  # noqa: E402
 from compile_stack.reference import AdamW, build_model, cross_entropy  # noqa: E402
 from compile_stack.harness.user_code import build_user_model, load_object  # noqa: E402
+from compile_stack.harness.options import HelpFormatter  # noqa: E402
 
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+                                formatter_class=HelpFormatter)
     p.add_argument("--preset", choices=sorted(PRESETS), help="model size (default: full on a GPU, tiny on a CPU)")
     p.add_argument("--layers", type=int, help="override the preset's layer count")
     p.add_argument("--seq", type=int, help="override the preset's sequence length")

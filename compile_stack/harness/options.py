@@ -18,6 +18,16 @@ from passes import registry
 OVERRIDES = ("layers", "seq", "batch", "d_model", "heads", "d_ff", "vocab")
 
 
+class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Appends an option's default only where it has one (not None or False) and its help does
+    not already say it."""
+
+    def _get_help_string(self, action):
+        if action.default in (None, False) or "default" in (action.help or ""):
+            return action.help
+        return super()._get_help_string(action)
+
+
 def check_args(args, p: argparse.ArgumentParser) -> None:
     """Refuse (``p.error``) what run_step cannot run: bad numbers, devices, configs, passes, user-code
     specs and unwritable outputs."""
