@@ -25,7 +25,7 @@ from compile_stack.harness.measure import measure
 from compile_stack.harness.options import OVERRIDES, HelpFormatter, check_args, passes_of
 from compile_stack.harness.plan import plan_run
 from compile_stack.harness.profiling import profile_overlap, profile_rank
-from compile_stack.harness.report import pass_summary, print_summary, write_summary
+from compile_stack.harness.report import is_rank0, pass_summary, print_summary, write_summary
 from compile_stack.harness.user_code import StepCode
 from compile_stack.targets import raise_on_bad_targets
 
@@ -98,6 +98,24 @@ def run(args) -> dict:
     return summary
 
 
+def record(s: dict, args) -> None:
+    """A compiled run on a GPU: its figures (and the stock step's) for BENCHMARKS.md's table."""
+    if not (s["compiled"] and s["device"].startswith("cuda") and is_rank0()):
+        return
+    from benchmarks.results import append_result  # a checkout's file, not part of the package
+
+    world = s.get("world_size", 1)
+    over = ", ".join(f"{n} {getattr(args, n)}" for n in OVERRIDES if getattr(args, n) is not None)
+    code = ", ".join(filter(None, (args.model, args.loss, args.optimizer))) or "reference model"
+    figure = (f"{s['preset']} step{f' ({over})' if over else ''}, {world} × {s['device_name']}"
+              f"{', FSDP2' if world > 1 else ''}, {code}")
+    ours = (f"{s['step_ms']:,.1f} ms, MFU {s['mfu']:.3f}, peak {s['peak_mem_gib']:.2f} GiB"
+            f"{'/rank' if world > 1 else ''}, first step {s['compile_s']:.1f} s")
+    c = s.get("compare")
+    anchor = f"stock step {c['stock']['step_ms']:,.1f} ms ({c['speedup']:.3f}×)" if c else None
+    append_result(figure, ours, anchor, extra={"summary": s})
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
     try:
@@ -108,6 +126,7 @@ def main(argv=None) -> int:
     if torch.distributed.is_initialized():
         torch.distributed.destroy_process_group()
     write_summary(summary, args.json)
+    record(summary, args)
     return 0 if summary.get("check", {}).get("ok", True) else 1
 
 

@@ -15,6 +15,7 @@ import time
 import torch
 import triton
 
+from benchmarks.results import append_result
 from compile_stack.memory import GIB
 from custom_ops import adamw
 from custom_ops.adamw import fused_adamw
@@ -113,6 +114,8 @@ def main():
         "first_call_ms": first_ms, "host_ms_cached_call": host_ms, "peak_GiB": peak_gib,
         "block": adamw.BLOCK, "num_warps": adamw.NUM_WARPS, "sweep": sweep,
     }
+    append_result(f"AdamW, {n:,} bf16 params, {figures['device']}", f"{ours_ms:.1f} ms",
+                  f"torch fused {torch_ms:.1f} ms", extra={"figures": figures})
     if os.environ.get("OUT"):
         with open(os.path.join(os.environ["OUT"], "bench_adamw.json"), "w") as f:
             json.dump(figures, f, indent=2)

@@ -27,6 +27,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 from compile_stack.memory import GIB  # noqa: E402
 from custom_ops import attention as A  # noqa: E402
 from custom_ops.attention import Tiles  # noqa: E402
+from benchmarks.results import append_result  # noqa: E402
 
 SHAPES = {"a": (2, 32, 32768, 128), "b": (1, 16, 16384, 64)}
 BACKENDS = {"flash": SDPBackend.FLASH_ATTENTION, "cudnn": SDPBackend.CUDNN_ATTENTION}
@@ -169,6 +170,10 @@ def main():
         if args.sweep:
             entry["sweep"] = sweep(q, k, v, dout)
         report["shapes"][key] = entry
+        ours, cudnn = entry["ours"], entry["cudnn"]
+        append_result(f"attention, B{b} H{h} S{s} D{d} causal bf16, {report['device']}",
+                      f"fwd {ours['fwd_ms']:.1f} ms, bwd {ours['bwd_ms']:.1f} ms",
+                      f"cuDNN {cudnn['fwd_ms']:.1f} / {cudnn['bwd_ms']:.1f} ms", extra={"figures": entry})
         del q, k, v, dout
         torch.cuda.empty_cache()
 

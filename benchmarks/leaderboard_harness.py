@@ -26,6 +26,7 @@ from compile_stack.config import PRESETS  # noqa: E402
 from compile_stack.reference import AdamW, build_model, cross_entropy  # noqa: E402
 from compile_stack.harness.user_code import build_user_model, load_object  # noqa: E402
 from compile_stack.harness.options import HelpFormatter  # noqa: E402
+from benchmarks.results import append_result  # noqa: E402
 
 
 def parse_args(argv=None):
@@ -108,6 +109,13 @@ def main(argv=None) -> dict:
     print(json.dumps(result), flush=True)
     if args.json:
         args.json.write_text(json.dumps(result, indent=2))
+    if device.type == "cuda" and not args.no_compile:
+        over = [f"{n} {v}" for n, v in (("layers", args.layers), ("seq", args.seq)) if v]
+        size = ", ".join([args.preset or "full", *over])
+        append_result(f"leaderboard harness + `compile_step`, {size} step, 1 × {torch.cuda.get_device_name()}, "
+                      f"{args.model or 'reference model'}",
+                      f"{ms:,.1f} ms, peak {result['peak_mem_gib']:.2f} GiB, first step {first_s:.1f} s", None,
+                      extra={"figures": result})
     return result
 
 
