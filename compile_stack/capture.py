@@ -82,7 +82,7 @@ class PassBackend:
         """
         observer = self.writer.observer() if self.writer else None
         with (
-            registry.installed([p.name for p in self.pass_list], observer),
+            registry.installed([p.name for p in self.pass_list], observer, stages=("joint", "post_grad")),
             settings.memory_budget(self.memory_budget),
             torch._inductor.config.patch(settings.inductor_options()),
             inspection.capture_output_code(self.writer),
@@ -103,14 +103,13 @@ class PassBackend:
         """Compile one graph; its replacements count ``uses`` times (segments sharing it)."""
         graph_name = f"{self.name}{self.graphs}"
         self.graphs += 1
-        masks = input_masks.find(gm, example_inputs)
-        if masks:  # keep the graph as captured, for a call whose masks no longer hold
-            captured = copy_module(gm)
-            input_masks.rebuild(gm, masks)
         report = registry.REPORT
         runs_before, counts_before, notes_before = Counter(report.runs), Counter(report.replacements), len(report.notes)
         if self.writer:
             self.writer.begin_graph(graph_name, gm)
+        masks = input_masks.find(gm, example_inputs)
+        captured = copy_module(gm) if masks else None  # as captured, for a call whose masks no longer hold
+        self._prepare(gm, masks)
         # Inspecting: the backward's code is filed under this graph only if compiled now.
         backward_now = torch._functorch.config.patch(
             force_non_lazy_backward_lowering=self.backward_now or self.writer is not None)
@@ -129,6 +128,18 @@ class PassBackend:
         self._settle_report(gm, runs_before, counts_before, notes_before, uses)
         return input_masks.MaskGuard(compiled, captured, masks, graph_name) if masks else compiled
 
+    def _prepare(self, gm: torch.fx.GraphModule, masks: dict) -> None:
+        """Our pre-grad passes, run here rather than in Inductor's hook: AOTAutograd's cache checks
+        the graph it is given, and refuses what Dynamo records for ``p.data`` updates (Tensor
+        methods called as functions, a local version-counter function) that the ``param_data``
+        pass rewrites; the rewritten graph keys the cache itself. Then the mask inputs rebuilt."""
+        tensor_methods_as_method_calls(gm)
+        observer = self.writer.observer() if self.writer else None
+        registry.stage_passes(self.pass_list, observer)["pre_grad"](gm.graph)
+        if masks:
+            input_masks.rebuild(gm, masks)
+        gm.recompile()
+
     def _note_budget(self, graph_name: str, partitioner: BudgetedPartitioner, uses: int) -> None:
         saved = partitioner.ledger.reserved[partitioner.key] / 2**30
         where = f"{graph_name} saves {saved:.2f} GiB for its backward" + (f" ({uses} call sites)" if uses > 1 else "")
@@ -143,8 +154,6 @@ class PassBackend:
     def _compile_without_codegen(self, gm, example_inputs, partitioner=None):
         observer = self.writer.observer() if self.writer else None
         stage = registry.stage_passes(self.pass_list, observer)
-        stage["pre_grad"](gm.graph)
-        gm.recompile()
 
         def partition(joint, joint_inputs, **kwargs):
             stage["joint"](joint.graph)
@@ -200,6 +209,21 @@ class PassBackend:
                     report.notes.append(entry)
         if len(counts) == len(self.pass_list) and not replayed:
             _write_record(key, {"counts": counts, "notes": report.notes[notes_before:]})
+
+
+def tensor_methods_as_method_calls(gm: torch.fx.GraphModule) -> None:
+    """Turn calls of a tensor method as a function (``torch.Tensor.set_(p, d)``: Dynamo records
+    ``p.data = d`` so) into method calls, the same op. AOTAutograd's cache refuses a graph with such
+    a node (the method has no ``__module__``), so an optimizer's graph was compiled from scratch at
+    every warm start."""
+    changed = False
+    for node in gm.graph.nodes:
+        target = node.target
+        if node.op == "call_function" and type(target).__name__ == "method_descriptor" \
+                and getattr(torch.Tensor, target.__name__, None) is target:
+            node.op, node.target, changed = "call_method", target.__name__, True
+    if changed:
+        gm.recompile()
 
 
 def report_dir() -> Path:

@@ -82,6 +82,10 @@ def rewrite_param_data_updates(graph: torch.fx.Graph) -> int:
                 with graph.inserting_before(node):
                     alias = graph.call_method("detach", (param,))
                     copy = graph.call_method("copy_", (alias, source))
+                # Traced values, as Dynamo gives its nodes: AOTAutograd's cache accepts a method call
+                # only on a node known to be a tensor.
+                if "example_value" in param.meta:
+                    alias.meta["example_value"] = param.meta["example_value"]
                 copy.meta.update(source.meta)
                 if grad_at.get(node, False):
                     _without_grad(graph, copy)

@@ -178,10 +178,12 @@ def stage_passes(passes: list[RegisteredPass], observer=None) -> dict[str, Stage
 
 
 @contextlib.contextmanager
-def installed(names: Iterable[str] | None = None, observer=None) -> Iterator[list[RegisteredPass]]:
-    """Install the named passes (default: all) into Inductor's hooks for the duration."""
+def installed(names: Iterable[str] | None = None, observer=None,
+              stages: Iterable[str] = STAGES) -> Iterator[list[RegisteredPass]]:
+    """Install the named passes (default: all) of ``stages`` into Inductor's hooks for the duration."""
     passes = resolve(names)
-    patch = {_HOOKS[stage]: sp for stage, sp in stage_passes(passes, observer).items() if sp.passes}
+    patch = {_HOOKS[stage]: sp for stage, sp in stage_passes(passes, observer).items()
+             if sp.passes and stage in stages}
     with torch._inductor.config.patch(patch):
         yield passes
 
