@@ -120,7 +120,13 @@ class Segment(torch.nn.Module):
 
 
 class SharedCompile:
-    """The compiled functions of one segment graph, shared by every segment equal to it."""
+    """The compiled functions of one segment graph, shared by every segment equal to it.
+
+    Each is compiled through ``torch.compile`` of the segment's graph module rather than by
+    handing it to ``compile_fn`` directly: Dynamo's tracing context (its shape environment) is
+    what Inductor's and AOTAutograd's caches need, so a warm start loads the segment instead of
+    compiling it again; retracing a segment's few nodes costs little.
+    """
 
     def __init__(self, gm: torch.fx.GraphModule, compile_fn: CompileFn, uses: int):
         self.gm = gm
@@ -133,7 +139,10 @@ class SharedCompile:
                                           if isinstance(t, torch.Tensor) else t for t in args))
         fn = self.compiled.get(key)
         if fn is None:
-            fn = self.compiled[key] = self.compile_fn(self.gm, list(args), self.uses)
+            def backend(gm, example_inputs):
+                return self.compile_fn(gm, example_inputs, self.uses)
+
+            fn = self.compiled[key] = torch.compile(self.gm, backend=backend, dynamic=False)
         return fn(*args)
 
 
