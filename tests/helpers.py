@@ -14,3 +14,17 @@ def rel_err(actual: torch.Tensor, expected: torch.Tensor) -> float:
 
 INTERPRETER = os.environ.get("TRITON_INTERPRET") == "1"
 HAS_CUDA = torch.cuda.is_available()
+
+
+def dynamo_graph(fn, *args) -> torch.fx.GraphModule:
+    """The one graph Dynamo captures from ``fn(*args)`` (fresh caches), as a backend receives it."""
+    graphs = []
+
+    def grab(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    torch._dynamo.reset()
+    torch.compile(fn, backend=grab, fullgraph=True)(*args)
+    (gm,) = graphs
+    return gm

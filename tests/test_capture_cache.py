@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from compile_stack.capture import PassBackend
+from tests.helpers import dynamo_graph
 
 check_node_safe = pytest.importorskip("torch._functorch._aot_autograd.autograd_cache").check_node_safe
 
@@ -15,19 +16,6 @@ def hand_written_sgd_step(params, lr=0.1):
         for p in params:
             p.data -= lr * p.grad  # Dynamo: get-data, isub, set_, version-counter fix-up
             p.data = p.data * 0.99  # Dynamo: set_ to a new tensor
-
-
-def dynamo_graph(fn, *args) -> torch.fx.GraphModule:
-    graphs = []
-
-    def grab(gm, example_inputs):
-        graphs.append(gm)
-        return gm.forward
-
-    torch._dynamo.reset()
-    torch.compile(fn, backend=grab)(*args)
-    (gm,) = graphs
-    return gm
 
 
 def refused(gm: torch.fx.GraphModule) -> list[str]:

@@ -9,6 +9,7 @@ from compile_stack.config import PRESETS
 from compile_stack.reference import AdamW, build_model, cross_entropy
 from passes import registry
 from passes.param_data import rewrite_param_data_updates
+from tests.helpers import dynamo_graph
 
 
 @pytest.fixture(autouse=True)
@@ -41,18 +42,6 @@ def test_installed_sets_inductor_hooks_and_restores_them():
     assert torch._inductor.config.pre_grad_custom_pass is None
 
 
-def _dynamo_graph(fn, *args) -> torch.fx.GraphModule:
-    graphs = []
-
-    def grab(gm, example_inputs):
-        graphs.append(gm)
-        return gm.forward
-
-    torch._dynamo.reset()
-    torch.compile(fn, backend=grab, fullgraph=True)(*args)
-    return graphs[0]
-
-
 def _tiny_model_with_grads(dtype=torch.float32):
     torch.manual_seed(0)
     cfg = PRESETS["tiny"].with_overrides(layers=1)
@@ -65,7 +54,7 @@ def _tiny_model_with_grads(dtype=torch.float32):
 def test_param_data_pass_rewrites_each_data_update():
     model = _tiny_model_with_grads()
     opt = AdamW(model.parameters())
-    gm = _dynamo_graph(opt.step)
+    gm = dynamo_graph(opt.step)
     # Two `p.data -= …` per parameter: decay, then the Adam step.
     assert rewrite_param_data_updates(gm.graph) == 2 * len(opt.params)
     targets = {n.target for n in gm.graph.nodes}
