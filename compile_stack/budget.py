@@ -35,12 +35,11 @@ from torch._functorch.partitioners import min_cut_rematerialization_partition
 from torch._inductor.custom_graph_pass import CustomPartitionerFn
 
 from compile_stack import memory
+from compile_stack.settings import LEAST_BUDGET
 from passes.graph_edit import copy_module
 
 # Kernels' scratch beside the saved activations: the fused loss's logits chunk and its head gradient.
 SCRATCH_BYTES = 2 * memory.CE_CHUNK_BYTES
-# At exactly 0 the partitioner ignores our ops' must-save marks (see settings.memory_budget).
-LEAST_BUDGET = 1e-6
 # Bisection steps below 1.0: the budget is found to 1/64.
 SEARCH_STEPS = 6
 

@@ -84,7 +84,7 @@ def inductor_options() -> dict:
 # At exactly 0 the partitioner saves only the graph's inputs, ignoring the
 # must-save marks our passes put on their ops' outputs (so it would recompute
 # attention); the smallest positive budget keeps the marks and saves nothing else.
-_LEAST_BUDGET = 1e-6
+LEAST_BUDGET = 1e-6
 
 
 @contextlib.contextmanager
@@ -95,5 +95,5 @@ def memory_budget(budget: float | None):
         return
     if not 0.0 <= budget <= 1.0:
         raise ValueError(f"memory_budget: expected a fraction in [0, 1], got {budget}")
-    with torch._functorch.config.patch(activation_memory_budget=max(budget, _LEAST_BUDGET)):
+    with torch._functorch.config.patch(activation_memory_budget=max(budget, LEAST_BUDGET)):
         yield
