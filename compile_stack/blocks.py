@@ -31,12 +31,14 @@ repeated blocks is compiled whole.
 """
 import contextlib
 import re
+import types
 import weakref
 from collections import defaultdict
 from collections.abc import Callable
 
 import torch
 from torch._subclasses.fake_tensor import is_fake
+from torch.fx._lazy_graph_module import _LazyGraphModule
 from torch.fx.passes.split_module import split_module
 from torch.nn.utils.stateless import _reparametrize_module
 
@@ -122,13 +124,17 @@ class Segment(torch.nn.Module):
 class SharedCompile:
     """The compiled functions of one segment graph, shared by every segment equal to it.
 
-    Each is compiled through ``torch.compile`` of the segment's graph module rather than by
-    handing it to ``compile_fn`` directly: Dynamo's tracing context (its shape environment) is
+    Each is compiled through ``torch.compile`` of the segment's forward rather than by handing
+    the graph to ``compile_fn`` directly: Dynamo's tracing context (its shape environment) is
     what Inductor's and AOTAutograd's caches need, so a warm start loads the segment instead of
-    compiling it again; retracing a segment's few nodes costs little.
+    compiling it again; retracing a segment's few nodes costs little. The forward is compiled
+    as a function of the graph module (``_segment_forward``), not as the module itself: torch
+    2.11's Dynamo never traced a graph module compiled as a module when it was called from the
+    captured graph's run, so each segment ran eagerly (the 8B step's loss did not fit).
     """
 
     def __init__(self, gm: torch.fx.GraphModule, compile_fn: CompileFn, uses: int):
+        _LazyGraphModule.force_recompile(gm)  # a lazy module's code changes at its first call, failing Dynamo's guards
         self.gm = gm
         self.compile_fn = compile_fn
         self.uses = uses
@@ -142,8 +148,18 @@ class SharedCompile:
             def backend(gm, example_inputs):
                 return self.compile_fn(gm, example_inputs, self.uses)
 
-            fn = self.compiled[key] = torch.compile(self.gm, backend=backend, dynamic=False)
-        return fn(*args)
+            fn = self.compiled[key] = torch.compile(_own_code(_segment_forward), backend=backend, dynamic=False)
+        return fn(self.gm, *args)
+
+
+def _segment_forward(gm: torch.fx.GraphModule, *args):
+    return type(gm).forward(gm, *args)
+
+
+def _own_code(fn: Callable) -> Callable:
+    """``fn`` with a code object of its own: Dynamo keeps its compiled entries per code object, so
+    each segment's entries (and the recompile limit) are then its own rather than shared by all."""
+    return types.FunctionType(fn.__code__.replace(), fn.__globals__, fn.__name__, fn.__defaults__, fn.__closure__)
 
 
 def is_block_call(node: torch.fx.Node) -> bool:
