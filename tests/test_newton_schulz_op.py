@@ -9,7 +9,7 @@ import triton.language as tl
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 from custom_ops.newton_schulz import MUON_COEFFICIENTS, Gemm, Syrk, Tiles, newton_schulz_triton, zeropower
-from custom_ops.newton_schulz.triton_kernels import _upper_tile
+from custom_ops.newton_schulz.triton_kernels import _stack_input, _upper_tile
 from tests.helpers import HAS_CUDA
 from tests.test_attention_op import scalar_loop_bounds  # noqa: F401  (a fixture: the interpreter's loop bounds)
 
@@ -144,20 +144,30 @@ def test_triton_five_steps(shape, dtype):
     assert_five_steps(triton_run(SMALL_TILES["split2"]), make_x(shape, dtype))
 
 
-def test_triton_layouts_agree():
-    """X read in place (row-major, 16-byte aligned rows, whole tiles of rows), from a wider buffer,
-    and copied (column-major, a batch with a gap between matrices): the same bits."""
-    dtype = TRITON_DTYPES[0]
-    run = triton_run(SMALL_TILES["split2"])
-    x = make_x((2, 32, 48), dtype)
-    expected = run(x, 2)
-    wide = torch.zeros(2, 32, 64, dtype=dtype, device=DEVICE)
-    wide[..., :48] = x
-    gapped = torch.zeros(3, 32, 48, dtype=dtype, device=DEVICE)[::2]  # matrices 2 apart
+@pytest.mark.parametrize("shape", [(2, 32, 48), (24, 45), (2, 16, 40)])
+def test_triton_layouts(shape):
+    """X read in place (row-major: dense, or rows of a wider buffer; column-major, as Muon hands
+    over a weight it transposed, or a row-major tall X's transpose) or copied (column-major with a
+    partial last column tile in a batch, a batch with gaps between matrices): each within the
+    rounding bound, and row-major X read in place the same bits as copied."""
+    dtype, tiles = TRITON_DTYPES[0], SMALL_TILES["split2"]
+    run = triton_run(tiles)
+    *lead, m, n = shape
+    x = make_x(shape, dtype)
+    wide = torch.zeros(*lead, m, n + 16, dtype=dtype, device=DEVICE)[..., :n]
+    wide.copy_(x)
+    gapped = torch.zeros(2 * len(x), m, n, dtype=dtype, device=DEVICE)[::2] if lead else x.clone()
     gapped.copy_(x)
-    for layout in (wide[..., :48], x.mT.contiguous().mT, gapped):
-        assert torch.equal(run(layout, 2), expected)
-    assert_one_step(run(x[0].mT, 1), x[0].mT)  # tall, given column-major: iterated on its row-major transpose
+    rows = triton.cdiv(m, tiles.row_unit) * tiles.row_unit
+    row_major = m == rows and n * x.element_size() % 16 == 0
+    column_major = not lead or n % tiles.col_unit == 0
+    for layout, in_place in ((x, row_major), (wide, row_major), (gapped, row_major and not lead),
+                             (x.mT.contiguous().mT, column_major), (x.mT.contiguous(), column_major)):
+        w = layout if layout.dim() == 3 else layout.unsqueeze(0)
+        w = w.mT if w.size(1) > w.size(2) else w
+        assert (_stack_input(w, rows, tiles.col_unit).base is w) == in_place
+        assert_one_step(run(layout, 1), layout)
+    assert torch.equal(run(wide, 1), run(x, 1)) and torch.equal(run(gapped, 1), run(x, 1))
 
 
 @pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")

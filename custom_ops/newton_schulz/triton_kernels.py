@@ -43,25 +43,32 @@ def _store_with_mirror(out_desc, tile, base, i, q, BLOCK: tl.constexpr):
 
 
 @triton.jit
-def _syrk_kernel(x_desc, xc_desc, s_desc, out_desc, alpha, beta, ROWS, K, HAS_S: tl.constexpr, BLOCK: tl.constexpr,
-                 SPLIT: tl.constexpr, BLOCK_K: tl.constexpr, PREC: tl.constexpr):
+def _syrk_kernel(x_desc, xc_desc, s_desc, out_desc, alpha, beta, ROWS, K, XT: tl.constexpr, HAS_S: tl.constexpr,
+                 BLOCK: tl.constexpr, SPLIT: tl.constexpr, BLOCK_K: tl.constexpr, PREC: tl.constexpr):
     """out = alpha·S + beta·X Xᵀ (S symmetric, or absent) over the upper triangle, mirrored.
 
     The output is cut in square super tiles of SPLIT·BLOCK; the programs of one super tile on or
     above the diagonal each compute one [BLOCK, SPLIT·BLOCK] row slice of it (one tile-row i,
     tile-columns SPLIT·j ..), and store each of its SPLIT square subtiles with its mirror
     (``_store_with_mirror``). On the diagonal, the subtiles below it are computed and dropped.
-    x_desc reads X in [BLOCK, BLOCK_K] tiles, xc_desc in [SPLIT·BLOCK, BLOCK_K] ones.
-    Grid: (SPLIT × upper-triangle super tiles, batch); matrix z's rows start at z·ROWS."""
+    x_desc reads X in [BLOCK, BLOCK_K] tiles, xc_desc in [SPLIT·BLOCK, BLOCK_K] ones (XT: both
+    read the stacked Xᵀ, [K rows per matrix], in the transposed tiles). Grid: (SPLIT ×
+    upper-triangle super tiles, batch); matrix z's rows of S and out start at z·ROWS."""
     t = tl.program_id(0)
     p, j = _upper_tile(t // SPLIT)
     i = p * SPLIT + t % SPLIT
-    base = tl.program_id(1) * ROWS
+    z = tl.program_id(1)
+    base = z * ROWS
     rows = base + i * BLOCK
     acc = tl.zeros((BLOCK, SPLIT * BLOCK), dtype=tl.float32)
     for k in range(0, K, BLOCK_K):
-        acc = tl.dot(x_desc.load([rows, k]), xc_desc.load([base + j * SPLIT * BLOCK, k]).T, acc,
-                     input_precision=PREC)
+        if XT:
+            x_i = x_desc.load([z * K + k, i * BLOCK]).T
+            x_j = xc_desc.load([z * K + k, j * SPLIT * BLOCK])
+        else:
+            x_i = x_desc.load([rows, k])
+            x_j = xc_desc.load([base + j * SPLIT * BLOCK, k]).T
+        acc = tl.dot(x_i, x_j, acc, input_precision=PREC)
     acc = beta * acc
     if HAS_S:
         acc += alpha * s_desc.load([rows, j * SPLIT * BLOCK]).to(tl.float32)
@@ -76,11 +83,13 @@ def _syrk_kernel(x_desc, xc_desc, s_desc, out_desc, alpha, beta, ROWS, K, HAS_S:
 
 
 @triton.jit
-def _gemm_kernel(b_desc, x_desc, xe_desc, out_desc, a, ROWS, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                 BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, PREC: tl.constexpr):
+def _gemm_kernel(b_desc, x_desc, xe_desc, out_desc, a, ROWS, N, XT: tl.constexpr, BLOCK_M: tl.constexpr,
+                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, PREC: tl.constexpr):
     """out = a·X + B X for one [BLOCK_M, BLOCK_N] tile (B: [ROWS, ROWS] per matrix, X: [ROWS, N]).
     Grid: (tiles of one matrix, batch), tiles in groups of GROUP_M row panels so that programs
-    running together share X's column panels in L2. xe_desc reads X in output tiles (epilogue)."""
+    running together share X's column panels in L2. x_desc reads X in [BLOCK_K, BLOCK_N] tiles,
+    xe_desc in output tiles (epilogue); XT: both read the stacked Xᵀ ([N rows per matrix]) in the
+    transposed tiles."""
     pid = tl.program_id(0)
     tiles_m = ROWS // BLOCK_M
     per_group = GROUP_M * tl.cdiv(N, BLOCK_N)
@@ -88,24 +97,40 @@ def _gemm_kernel(b_desc, x_desc, xe_desc, out_desc, a, ROWS, N, BLOCK_M: tl.cons
     size = tl.minimum(tiles_m - first, GROUP_M)
     i = first + pid % per_group % size
     j = pid % per_group // size
-    base = tl.program_id(1) * ROWS
+    z = tl.program_id(1)
+    base = z * ROWS
     rows, cols = base + i * BLOCK_M, j * BLOCK_N
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k in range(0, ROWS, BLOCK_K):
-        acc = tl.dot(b_desc.load([rows, k]), x_desc.load([base + k, cols]), acc, input_precision=PREC)
-    acc += a * xe_desc.load([rows, cols]).to(tl.float32)
+        if XT:
+            x_k = x_desc.load([z * N + cols, k]).T
+        else:
+            x_k = x_desc.load([base + k, cols])
+        acc = tl.dot(b_desc.load([rows, k]), x_k, acc, input_precision=PREC)
+    if XT:
+        x_tile = xe_desc.load([z * N + cols, i * BLOCK_M]).T
+    else:
+        x_tile = xe_desc.load([rows, cols])
+    acc += a * x_tile.to(tl.float32)
     out_desc.store([rows, cols], acc.to(out_desc.dtype))
 
 
 class _Stacked:
     """A batch of matrices as one 2-D view for descriptors: ``rows`` rows per matrix (a multiple of
-    the tiles), ``cols`` columns read and written, consecutive rows ``stride`` elements apart."""
+    the tiles), ``cols`` columns read and written, consecutive rows ``stride`` elements apart.
 
-    def __init__(self, base: torch.Tensor, batch: int, rows: int, cols: int, stride: int):
-        self.base, self.shape, self.stride = base, [batch * rows, cols], stride
+    ``transposed``: the view stacks the matrices' transposes instead (X stored column-major, read
+    in place): ``cols`` rows per matrix, ``rows`` columns (past the matrix they read as zeros);
+    its tiles are the transposes of X's, which the kernels (XT) transpose back."""
+
+    def __init__(self, base: torch.Tensor, batch: int, rows: int, cols: int, stride: int, transposed=False):
+        self.base, self.stride, self.transposed = base, stride, transposed
+        self.shape = [batch * cols, rows] if transposed else [batch * rows, cols]
 
     def desc(self, block_rows: int, block_cols: int) -> TensorDescriptor:
-        return TensorDescriptor(self.base, self.shape, [self.stride, 1], [block_rows, block_cols])
+        """A descriptor of [block_rows, block_cols] tiles of X (of Xᵀ: [block_cols, block_rows])."""
+        block = [block_cols, block_rows] if self.transposed else [block_rows, block_cols]
+        return TensorDescriptor(self.base, self.shape, [self.stride, 1], block)
 
 
 def _padded(rows: int, cols: int, batch: int, like: torch.Tensor) -> _Stacked:
@@ -115,15 +140,22 @@ def _padded(rows: int, cols: int, batch: int, like: torch.Tensor) -> _Stacked:
     return _Stacked(buf, batch, rows, cols, buf.stride(1))
 
 
-def _stack_input(w: torch.Tensor, rows: int) -> _Stacked:
-    """The iteration's first X: ``w`` itself when its layout already is a stack of row-major matrices
-    with ``rows`` rows each and 16-byte aligned rows, else a zero-padded copy."""
+def _stack_input(w: torch.Tensor, rows: int, col_unit: int) -> _Stacked:
+    """The iteration's first X, read in place when the layout allows, else a zero-padded copy:
+      - row-major matrices of ``rows`` rows each, 16-byte aligned rows, stacked without gaps;
+      - column-major ones (what Muon hands over for a weight it transposed), their columns
+        16-byte aligned, stacked without gaps, and a whole number of ``col_unit`` columns each
+        unless there is one matrix (a tile running past a matrix's last column would read the next
+        one's first; past the last matrix it reads zeros)."""
     batch, m, n = w.shape
     size = w.element_size()
-    direct = (m == rows and w.stride(2) == 1 and w.stride(1) >= n and w.stride(1) * size % 16 == 0
-              and (batch == 1 or w.stride(0) == m * w.stride(1)) and w.data_ptr() % 16 == 0)
-    if direct:
+    aligned = w.data_ptr() % 16 == 0
+    if (aligned and m == rows and w.stride(2) == 1 and w.stride(1) >= n and w.stride(1) * size % 16 == 0
+            and (batch == 1 or w.stride(0) == m * w.stride(1))):
         return _Stacked(w, batch, rows, n, w.stride(1))
+    if (aligned and w.stride(1) == 1 and w.stride(2) >= m and w.stride(2) * size % 16 == 0
+            and (batch == 1 or (w.stride(0) == n * w.stride(2) and n % col_unit == 0))):
+        return _Stacked(w, batch, m, n, w.stride(2), transposed=True)
     stacked = _padded(rows, n, batch, w)
     stacked.base[:, m:].zero_()
     stacked.base[:, :m, :n].copy_(w)
@@ -149,7 +181,7 @@ def newton_schulz_triton(x: torch.Tensor, steps: int, a: float, b: float, c: flo
     rows = triton.cdiv(m, tiles.row_unit) * tiles.row_unit
     s, g, prec = tiles.syrk, tiles.gemm, _precision(x.dtype)
 
-    src_v = _stack_input(w, rows)
+    src_v = _stack_input(w, rows, tiles.col_unit)
     a_v, b_v = _padded(rows, rows, batch, w), _padded(rows, rows, batch, w)
     # Two X buffers taken in turn, the last step writing into ``final``: when it has no padding and
     # needs no transposition, it is the returned tensor itself (``contiguous`` below copies nothing).
@@ -167,12 +199,13 @@ def newton_schulz_triton(x: torch.Tensor, steps: int, a: float, b: float, c: flo
     for k in range(steps):
         dst_v = final_v if (steps - 1 - k) % 2 == 0 else spare_v
         _syrk_kernel[syrk_grid](src_v.desc(s.block, s.block_k), src_v.desc(s.split * s.block, s.block_k), None,
-                                a_store, 0.0, 1.0, rows, n, HAS_S=False, **syrk_opts)
-        _syrk_kernel[syrk_grid](a_rows, a_cols, a_tile, b_store, b, c, rows, rows, HAS_S=True, **syrk_opts)
+                                a_store, 0.0, 1.0, rows, n, XT=src_v.transposed, HAS_S=False, **syrk_opts)
+        _syrk_kernel[syrk_grid](a_rows, a_cols, a_tile, b_store, b, c, rows, rows, XT=False, HAS_S=True,
+                                **syrk_opts)
         _gemm_kernel[gemm_grid](b_load, src_v.desc(g.block_k, g.block_n), src_v.desc(g.block_m, g.block_n),
-                                dst_v.desc(g.block_m, g.block_n), a, rows, n, BLOCK_M=g.block_m, BLOCK_N=g.block_n,
-                                BLOCK_K=g.block_k, GROUP_M=g.group_m, PREC=prec, num_warps=g.num_warps,
-                                num_stages=g.num_stages)
+                                dst_v.desc(g.block_m, g.block_n), a, rows, n, XT=src_v.transposed, BLOCK_M=g.block_m,
+                                BLOCK_N=g.block_n, BLOCK_K=g.block_k, GROUP_M=g.group_m, PREC=prec,
+                                num_warps=g.num_warps, num_stages=g.num_stages)
         src_v = dst_v
     out = final_v.base[:, :m, :n]
     return (out.mT if transposed else out).contiguous().reshape(x.shape)
