@@ -66,9 +66,11 @@ def reflector(alpha, sigma, scale):
     norm = scale * tl.sqrt_rn(a * a + sigma)
     beta = tl.where(alpha >= 0, -norm, norm)
     identity = sigma == 0.0
-    tau = tl.where(identity, 0.0, (beta - alpha) / beta)
-    vscale = tl.where(identity, 0.0, 1.0 / (alpha - beta))
-    return tl.where(identity, alpha, beta), tau, vscale, vscale * scale
+    beta = tl.where(identity, alpha, beta)
+    # the denominators of H = I are never used: 1 there keeps 0/0 out of the interpreter's warnings
+    tau = tl.where(identity, 0.0, (beta - alpha) / tl.where(identity, 1.0, beta))
+    vscale = tl.where(identity, 0.0, 1.0 / tl.where(identity, 1.0, alpha - beta))
+    return beta, tau, vscale, vscale * scale
 
 
 @triton.jit

@@ -26,7 +26,7 @@ from custom_ops.batched_qr.householder import (apply_reflector, build_t, column,
 @triton.jit(do_not_specialize=["k0", "nref", "blk"])
 def _tile_kernel(src_ptr, a_ptr, tau_ptr, t_ptr, q_ptr, r_ptr, m, n, k, k0, nref, blk, nblocks,
                  ROWS: tl.constexpr, COLS: tl.constexpr, WANT_A: tl.constexpr, WANT_T: tl.constexpr,
-                 WANT_Q: tl.constexpr, PRECISION: tl.constexpr):
+                 WANT_Q: tl.constexpr, T_BM: tl.constexpr, PRECISION: tl.constexpr):
     """Factor rows [k0, m) × columns [k0, k0 + COLS) of matrix program_id(0), held in registers.
 
     nref = min(k − k0, COLS) reflectors. Reads src, writes the factored tile to a (WANT_A, with tau), the panel's T to
@@ -65,9 +65,9 @@ def _tile_kernel(src_ptr, a_ptr, tau_ptr, t_ptr, q_ptr, r_ptr, m, n, k, k0, nref
         tl.store(a_ptr + offsets, X, mask=in_a)
         tl.store(tau_ptr + b * k + cols, taus, mask=c < nref)
     if WANT_T:
-        V = unit_lower(X, rows, cols, c < nref)
-        T = build_t(tl.dot(tl.trans(V), V, input_precision=PRECISION), taus, c, nref)
-        tl.store(t_ptr + ((b * nblocks + blk) * COLS + c[:, None]) * COLS + c[None, :], T)
+        tl.debug_barrier()
+        _store_t(a_ptr + b * m * n, t_ptr + (b * nblocks + blk) * COLS * COLS, m, n, k0, nref, taus, COLS,
+                 T_BM, PRECISION)
     if WANT_Q:
         Q = tl.where(rows[:, None] == cols[None, :], 1.0, 0.0)
         jj = nref - 1
@@ -87,6 +87,22 @@ def _chunk(a_base, r0, m, n, cols, col_ok, BM: tl.constexpr):
     """Rows [r0, r0 + BM) of the panel's columns (zeros outside the matrix): (pointers, mask, rows)."""
     rows = r0 + tl.arange(0, BM)
     return a_base + rows[:, None] * n + cols[None, :], (rows < m)[:, None] & col_ok[None, :], rows
+
+
+@triton.jit
+def _store_t(a_base, t_base, m, n, k0, nref, taus, NB: tl.constexpr, BM: tl.constexpr, PRECISION: tl.constexpr):
+    """The T factor of the factored panel at columns [k0, k0 + NB) (read back from memory, BM rows
+    at a time: a tall panel's VᵀV in one tl.dot would not fit in shared memory) into t_base."""
+    c = tl.arange(0, NB)
+    cols = k0 + c
+    G = tl.zeros([NB, NB], dtype=tl.float32)
+    r0 = k0
+    while r0 < m:
+        ptrs, in_a, rows = _chunk(a_base, r0, m, n, cols, cols < n, BM)
+        V = unit_lower(tl.load(ptrs, mask=in_a, other=0.0), rows, cols, c < nref)
+        G = tl.dot(tl.trans(V), V, G, input_precision=PRECISION)
+        r0 += BM
+    tl.store(t_base + c[:, None] * NB + c[None, :], build_t(G, taus, c, nref))
 
 
 @triton.jit
@@ -162,15 +178,7 @@ def _panel_stream_kernel(a_ptr, tau_ptr, t_ptr, m, n, k, k0, nref, blk, nblocks,
         tl.debug_barrier()
         jj += 1
     tl.store(tau_ptr + b * k + cols, taus, mask=c < nref)
-    G = tl.zeros([NB, NB], dtype=tl.float32)
-    r0 = k0
-    while r0 < m:
-        ptrs, in_a, rows = _chunk(a_base, r0, m, n, cols, col_ok, BM)
-        V = unit_lower(tl.load(ptrs, mask=in_a, other=0.0), rows, cols, c < nref)
-        G = tl.dot(tl.trans(V), V, G, input_precision=PRECISION)
-        r0 += BM
-    T = build_t(G, taus, c, nref)
-    tl.store(t_ptr + ((b * nblocks + blk) * NB + c[:, None]) * NB + c[None, :], T)
+    _store_t(a_base, t_ptr + (b * nblocks + blk) * NB * NB, m, n, k0, nref, taus, NB, BM, PRECISION)
 
 
 @triton.jit(do_not_specialize=["k0", "nref", "blk", "col0"])
@@ -232,7 +240,7 @@ def _whole_tile(A, cfg, want_q):
         a, tau = torch.empty_like(A), A.new_empty(B, k)
         out = (a, tau, A, A, A)
     _tile_kernel[(B,)](A, *out, m, n, k, 0, k, 0, 1, ROWS=rows, COLS=cols, WANT_A=not want_q, WANT_T=False,
-                       WANT_Q=want_q, PRECISION=cfg.precision, num_warps=tile_warps(rows * cols))
+                       WANT_Q=want_q, T_BM=16, PRECISION=cfg.precision, num_warps=tile_warps(rows * cols))
     return (Q, R) if want_q else (a, tau)
 
 
@@ -250,7 +258,8 @@ def _factor_blocked(a, cfg):
         rows = max(16, triton.next_power_of_2(m - k0))
         if rows * nb <= cfg.panel_max:
             _tile_kernel[(B,)](a, a, tau, T, a, a, m, n, k, k0, nref, blk, nblocks, ROWS=rows, COLS=nb, WANT_A=True,
-                               WANT_T=True, WANT_Q=False, PRECISION=cfg.precision, num_warps=tile_warps(rows * nb))
+                               WANT_T=True, WANT_Q=False, T_BM=min(rows, cfg.stream_bm), PRECISION=cfg.precision,
+                               num_warps=tile_warps(rows * nb))
         else:
             _panel_stream_kernel[(B,)](a, tau, T, m, n, k, k0, nref, blk, nblocks, NB=nb, BM=cfg.stream_bm,
                                        PRECISION=cfg.precision, num_warps=cfg.stream_warps)
