@@ -40,6 +40,8 @@ def newton_schulz(X: torch.Tensor, steps: int, a: float, b: float, c: float) -> 
     [batch, m, n]) as given (no normalisation), on Xᵀ when m > n; a new contiguous tensor."""
     _check(X, steps, a, b, c)
     require(runs_triton(X), "X", "a CUDA tensor", X.device)
+    require(X.dim() == 2 or X.size(0) <= 65535, "X", "at most 65,535 matrices (a CUDA grid dimension)",
+            f"{X.size(0)}")
     return newton_schulz_triton(X, steps, a, b, c)
 
 

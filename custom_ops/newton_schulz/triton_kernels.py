@@ -8,9 +8,11 @@ One iteration is three launches, each one pass over its output tiles:
 Operands in the input's dtype, fp32 accumulation, one rounding per stored element.
 
 Every tile is read and written through TMA tensor descriptors over 2-D views whose rows are
-the batch's matrices stacked, each padded with zero rows to a whole number of tiles, so no
-tile straddles two matrices (a padded row stays zero through every product). Columns past
-the matrix read as zeros and are never written. The kernels run on any CUDA GPU with TMA
+the batch's matrices stacked, each a whole number of tiles of rows (copies padded with zero
+rows where X is not; a padded row stays zero through every product), so no tile straddles two
+matrices. Columns past the matrix read as zeros and are never written. A column-major X (what
+Muon hands over for a weight it transposed) is read in place on the first step, through
+descriptors over its transpose whose tiles the kernels transpose back (``XT``). The kernels run on any CUDA GPU with TMA
 (sm_90+), and on CPU tensors under ``TRITON_INTERPRET=1`` (how the tests check them: fp32
 and fp16 there, as the interpreter's bf16 loads are wrong).
 """
