@@ -5,8 +5,8 @@ fp32 matrices (``Q, _ = torch.linalg.qr(P @ Q)``); torch runs one cuSOLVER call
 a matrix. Every spelling (``torch.linalg.qr(M)``, ``mode="reduced"``,
 ``M.qr()``, ``torch.geqrf(M)``) reaches the joint stage as one aten node,
 ``aten.linalg_qr.default(A, mode)`` or ``aten.geqrf.default(A)``, whose outputs
-the graph reads through ``getitem`` (torch 2.11 and 2.13 alike: neither op has
-a decomposition). This pass swaps it for ``cstack::batched_qr`` /
+the graph reads through ``getitem`` (neither op has a decomposition in torch's
+or Inductor's tables). This pass swaps it for ``cstack::batched_qr`` /
 ``cstack::batched_geqrf`` (same outputs, LAPACK's signs) when A is a CUDA
 float32 tensor of static shape and ``prefer_ours(shape, device, op)`` — the
 ops' measured table — says ours is faster for that shape on that device.
