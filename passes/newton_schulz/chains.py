@@ -18,7 +18,7 @@ from collections.abc import Iterator
 
 from torch.fx import Graph, Node
 
-from passes.newton_schulz.terms import _ADDS, _BIASED_MATMULS, MATMULS, Expansion, Operand, Product, resolve
+from passes.newton_schulz.terms import ADDS, BIASED_MATMULS, MATMULS, Expansion, Operand, Product, resolve
 from passes.rejection import NoMatch
 
 # Coefficients agree when equal to this relative tolerance (scales folded in differ by a rounding).
@@ -87,7 +87,7 @@ def find_iterations(graph: Graph) -> list[Iteration]:
     stop = set(grams) | {x.node for x, _, _ in grams.values()}
     found = []
     for node in graph.nodes:
-        if node.op == "call_function" and (node.target in _ADDS or node.target in _BIASED_MATMULS):
+        if node.op == "call_function" and (node.target in ADDS or node.target in BIASED_MATMULS):
             iteration = _match(node, grams, stop)
             if iteration is not None:
                 found.append(iteration)

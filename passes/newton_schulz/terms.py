@@ -22,9 +22,9 @@ _RESHAPES = {aten.view.default, aten._unsafe_view.default, aten.reshape.default,
 _CASTS = {torch.ops.prims.convert_element_type.default, aten._to_copy.default}
 _MULS = {aten.mul.Tensor, aten.mul.Scalar}
 _DIVS = {aten.div.Tensor, aten.div.Scalar}
-_ADDS = {aten.add.Tensor: 1.0, aten.sub.Tensor: -1.0}
+ADDS = {aten.add.Tensor: 1.0, aten.sub.Tensor: -1.0}
 MATMULS = {aten.mm.default, aten.bmm.default}
-_BIASED_MATMULS = {aten.addmm.default, aten.baddbmm.default}
+BIASED_MATMULS = {aten.addmm.default, aten.baddbmm.default}
 # Nodes an expansion opens at most. One iteration's takes about a dozen; the bound keeps the cost of
 # expanding every sum of a large graph (residual streams, gradient sums) linear in its size.
 _MOST_OPENED = 64
@@ -138,15 +138,15 @@ class Expansion:
         alpha, beta = core.kwargs.get("alpha", 1), core.kwargs.get("beta", 1)
         if not (_number(alpha) and _number(beta)):  # a traced scalar: no constant coefficient
             self.terms[operand] += coefficient
-        elif target in _ADDS and len(args) == 2 and all(isinstance(a, Node) and _tensor(a) is not None
+        elif target in ADDS and len(args) == 2 and all(isinstance(a, Node) and _tensor(a) is not None
                                                         for a in args):
             self.nodes.append(core)
             self._add(args[0], coefficient)
-            self._add(args[1], _ADDS[target] * alpha * coefficient)
+            self._add(args[1], ADDS[target] * alpha * coefficient)
         elif target in MATMULS:
             self.nodes.append(core)
             self._product(args[0], args[1], coefficient)
-        elif target in _BIASED_MATMULS:
+        elif target in BIASED_MATMULS:
             self.nodes.append(core)
             if beta != 0:
                 self._add(args[0], beta * coefficient)
