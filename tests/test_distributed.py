@@ -167,9 +167,10 @@ def test_parameters_and_states_are_sharded(cpu_run):
 def test_compiled_step_applies_every_pass_with_one_block_graph(cpu_run):
     from passes import registry
 
+    # Every pass that has something to find in the reference step: it has no QR or Newton–Schulz.
+    expected = set(registry.pass_names()) - {"linalg_qr", "newton_schulz"}
     for r in cpu_run["ranks"]:
-        assert {name: r["passes"].get(name, 0) > 0 for name in registry.pass_names()} == \
-            {name: True for name in registry.pass_names()}
+        assert {name for name in registry.pass_names() if r["passes"].get(name, 0) > 0} == expected
     # The embedding, ONE graph for every block (no recompile per block), the head with the loss.
     assert cpu_run["dist"]["fp32_compiled"]["graphs"] == 3
 
