@@ -11,9 +11,26 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import pytest  # noqa: E402
+from triton.runtime import interpreter  # noqa: E402
 
 
 @pytest.fixture(autouse=True)
 def _seeded():
     torch.manual_seed(0)
     yield
+
+
+@pytest.fixture
+def scalar_loop_bounds(monkeypatch):
+    """Let the interpreter use per-program scalars as range() bounds under NumPy >= 2.4.
+
+    The interpreter keeps scalars as 1-element arrays and converts them with int(), which
+    NumPy 2.4 refuses for arrays of rank 1; compiled kernels are unaffected.
+    """
+    patch_tensor = interpreter._patch_lang_tensor
+
+    def patched(tensor, scope):
+        patch_tensor(tensor, scope)
+        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.item()))
+
+    monkeypatch.setattr(interpreter, "_patch_lang_tensor", patched)

@@ -10,29 +10,11 @@ import math
 
 import pytest
 import torch
-from triton.runtime import interpreter
-
 from custom_ops import attention as A
 from tests.helpers import HAS_CUDA, INTERPRETER, rel_err
 
 TOL = {torch.bfloat16: 1e-2, torch.float16: 5e-3, torch.float32: 1e-3}
 gpu = pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")
-
-
-@pytest.fixture
-def scalar_loop_bounds(monkeypatch):
-    """Let the interpreter use per-program scalars as range() bounds under NumPy >= 2.4.
-
-    The interpreter keeps scalars as 1-element arrays and converts them with int(), which
-    NumPy 2.4 refuses for arrays of rank 1; compiled kernels are unaffected.
-    """
-    patch_tensor = interpreter._patch_lang_tensor
-
-    def patched(tensor, scope):
-        patch_tensor(tensor, scope)
-        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.item()))
-
-    monkeypatch.setattr(interpreter, "_patch_lang_tensor", patched)
 
 
 def reference(q, k, v, dout, is_causal, scale):

@@ -11,7 +11,6 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from custom_ops.newton_schulz import MUON_COEFFICIENTS, Gemm, Syrk, Tiles, newton_schulz_triton, zeropower
 from custom_ops.newton_schulz.triton_kernels import _stack_input, _upper_tile
 from tests.helpers import HAS_CUDA
-from tests.test_attention_op import scalar_loop_bounds  # noqa: F401  (a fixture: the interpreter's loop bounds)
 
 A, B, C = MUON_COEFFICIENTS
 BF16, FP16, FP32 = torch.bfloat16, torch.float16, torch.float32
