@@ -69,7 +69,7 @@ def _find_chains(graph: Graph, flow: _Flow) -> list[_Chain]:
             new[x] = next(iter(outs))
             mutated.add(x)
     reads = {x: flow.reach(new[x]) for x in mutated}
-    chains, taken = [], set()
+    chains, taken, other_updates = [], set(), []
     for p in [n for n in graph.nodes if n in mutated and n.op == "placeholder"]:
         data, scalars, _ = reads[p]
         if p not in data or len(data) < 3:
@@ -79,8 +79,7 @@ def _find_chains(graph: Graph, flow: _Flow) -> list[_Chain]:
         grads = {next(iter(reads[x][0] - {x})) for x in moments}
         g = next(iter(grads)) if len(grads) == 1 else None
         if len(others) != 3 or len(moments) != 2 or g is None or g in mutated or g not in others:
-            note(NAME, f"left {p.name} alone: its update reads {sorted(n.name for n in data)}, "
-                       "not the AdamW inputs (param, grad, exp_avg, exp_avg_sq)")
+            other_updates.append(f"{p.name} reads {sorted(n.name for n in data)}")
             continue
         m, v = moments  # which is which: _prove tells them apart
         if taken & {p, g, m, v}:
@@ -92,6 +91,10 @@ def _find_chains(graph: Graph, flow: _Flow) -> list[_Chain]:
             continue
         taken |= {p, g, m, v}
         chains.append(_Chain(p, g, m, v, new, copies, flow))
+    if other_updates:  # one note for all (a Muon's matrices are hundreds of them)
+        more = f" and {len(other_updates) - 1} more" if len(other_updates) > 1 else ""
+        note(NAME, f"left {len(other_updates)} updates alone: they read other inputs than AdamW's (param, grad, "
+                   f"exp_avg, exp_avg_sq): {other_updates[0]}{more}")
     return chains
 
 
