@@ -81,7 +81,7 @@ def test_whole_tile_odd_shapes(shape):
 
 
 @pytest.mark.parametrize("path", ["panels", "streamed"])
-@pytest.mark.parametrize("shape", [(40, 37), (2, 35, 20), (20, 35)], ids=str)
+@pytest.mark.parametrize("shape", [(40, 37), (2, 33, 20), (20, 35)], ids=str)
 def test_blocked_paths(path, shape):
     """Several panels (one partial), trailing updates, Q formed by blocks; tall, batched and wide."""
     check_qr(torch.randn(shape), PATHS[path])
@@ -91,7 +91,7 @@ def test_blocked_paths(path, shape):
 @pytest.mark.parametrize("path", ["tile", "panels"])
 def test_matrix_kinds(kind, path):
     """Backward error of every kind; Q, R equal torch's where the factorisation is unique enough."""
-    A = kind_matrix(kind, (2, 24, 24))
+    A = kind_matrix(kind, (2, 20, 20))
     check_qr(A, PATHS[path], match_torch=kind == "gaussian")
 
 
@@ -133,13 +133,12 @@ def test_extreme_scales_are_rescaled(scale):
 def test_nan_stays_in_its_matrix(path):
     """A NaN reaches its own matrix's factors; every other matrix of the batch is bit-identical to
     its factorisation without the NaN (no host sync, no check)."""
-    A = torch.randn(3, 20, 18)
+    A = torch.randn(2, 18, 17)
     clean_q, clean_r = _triton_qr(A.to(DEVICE), PATHS[path])
-    A[1, 5, 2] = float("nan")
+    A[0, 5, 2] = float("nan")
     Q, R = _triton_qr(A.to(DEVICE), PATHS[path])
-    assert Q[1].isnan().any() and R[1].isnan().any()
-    for i in (0, 2):
-        assert torch.equal(Q[i], clean_q[i]) and torch.equal(R[i], clean_r[i])
+    assert Q[0].isnan().any() and R[0].isnan().any()
+    assert torch.equal(Q[1], clean_q[1]) and torch.equal(R[1], clean_r[1])
 
 
 def test_noncontiguous_and_empty_inputs():

@@ -19,7 +19,7 @@ import torch
 class QRConfig:
     tile_max: int = 64 * 64        # a whole matrix is one register tile up to this many (padded) elements
     nb: int = 32                   # panel width of the blocked factorisation (>= 16: tl.dot's least)
-    panel_max: int = 512 * 32      # a panel held in registers up to this many (padded) elements, else streamed
+    panel_max: int = 256 * 32      # a panel held in registers up to this many (padded) elements, else streamed
     stream_bm: int = 128           # rows a chunk of the streamed panel
     stream_warps: int = 8
     bm: int = 64                   # the apply kernel's row chunk and column tile
@@ -32,8 +32,10 @@ DEFAULT = QRConfig()
 
 
 def tile_warps(elements: int) -> int:
-    """Warps of a register tile: about 32 fp32 elements a thread, 1 to 16 warps."""
-    return max(1, min(16, elements // 1024))
+    """Warps of a register tile: about 16 fp32 elements a thread, 1 to 16 warps. (Triton lays a
+    tile of 32 columns one column a lane, so every vector over rows costs a register per row a
+    thread holds: 32 rows a thread spilled.)"""
+    return max(1, min(16, elements // 512))
 
 
 # device name -> op -> rows (largest side s up to, least batch B at which ours was faster); a

@@ -31,23 +31,26 @@ def pick(vec, idx, i):
 
 
 @triton.jit
-def column(X, c, jj):
-    """Column jj of the tile X."""
-    return tl.sum(tl.where(c[None, :] == jj, X, 0.0), axis=1)
+def column(X, jj):
+    """Column jj of the tile X: a gather along the columns, which Triton lowers to one warp shuffle
+    an element when a row's columns lie in one warp (a masked sum there took a 5-step butterfly).
+    jj past the last column (the gather after a panel's last step, never used) reads the last."""
+    index = tl.zeros([X.shape[0], 1], dtype=tl.int32) + tl.minimum(jj, X.shape[1] - 1)
+    return tl.reshape(tl.gather(X, index, axis=1), [X.shape[0]])
 
 
 @triton.jit
-def gather_terms(X, rows, c, j, jj, inv_scale):
+def gather_terms(X, rows, j, jj, inv_scale):
     """This tile's share of (row_j, y) for the reflector at (j, jj): X's row j, and
     Σ_{rows > j} (x_r·inv_scale)·X[r, :] with x = X[:, jj]."""
-    x = tl.where(rows > j, column(X, c, jj) * inv_scale, 0.0)
+    x = tl.where(rows > j, column(X, jj) * inv_scale, 0.0)
     return tl.where(rows[:, None] == j, X, 0.0), x[:, None] * X
 
 
 @triton.jit
-def column_absmax(X, rows, c, j, jj):
+def column_absmax(X, rows, j, jj):
     """max |X[r, jj]| over rows r >= j, NaN counted as +inf (so that it reaches the result)."""
-    x = tl.where(rows >= j, column(X, c, jj), 0.0)
+    x = tl.where(rows >= j, column(X, jj), 0.0)
     return tl.max(tl.where(x != x, float("inf"), tl.abs(x)), axis=0)
 
 
@@ -76,7 +79,7 @@ def reflector(alpha, sigma, scale):
 @triton.jit
 def apply_reflector(X, rows, c, j, jj, beta, tau, vscale, w):
     """X after H = I − tau·v·vᵀ on its columns right of jj; column jj becomes (beta, v₁…)."""
-    x = column(X, c, jj)
+    x = column(X, jj)
     v = tl.where(rows == j, 1.0, tl.where(rows > j, x * vscale, 0.0))
     updated = X - (tau * v)[:, None] * w[None, :]
     reflected = tl.where(rows == j, beta, tl.where(rows > j, v, x))
@@ -99,7 +102,7 @@ def build_t(G, taus, c, nref):
     i = nref * 0
     while i < nref:
         tau = pick(taus, c, i)
-        g = tl.where(c < i, column(G, c, i), 0.0)
+        g = tl.where(c < i, column(G, i), 0.0)
         t = tl.where(c == i, tau, -tau * tl.sum(T * g[None, :], axis=1))
         T = tl.where(c[None, :] == i, t[:, None], T)
         i += 1

@@ -22,15 +22,16 @@ from custom_ops.batched_qr.configs import QRConfig, tile_warps
 from custom_ops.batched_qr.householder import (apply_reflector, build_t, column, column_absmax, gather_terms,
                                                needs_rescale, pick, reflector, unit_lower)
 
+T_ROWS = tl.constexpr(32)  # rows a chunk of _store_t
+
 
 @triton.jit(do_not_specialize=["k0", "nref", "blk"])
 def _tile_kernel(src_ptr, a_ptr, tau_ptr, t_ptr, q_ptr, r_ptr, m, n, k, k0, nref, blk, nblocks,
                  ROWS: tl.constexpr, COLS: tl.constexpr, WANT_A: tl.constexpr, WANT_T: tl.constexpr,
-                 WANT_Q: tl.constexpr, T_BM: tl.constexpr, PRECISION: tl.constexpr):
-    """Factor rows [k0, m) × columns [k0, k0 + COLS) of matrix program_id(0), held in registers.
-
-    nref = min(k − k0, COLS) reflectors. Reads src, writes the factored tile to a (WANT_A, with tau), the panel's T to
-    t[b, blk] (WANT_T), and Q [m, k] and R [k, n] (WANT_Q: the tile is the whole matrix)."""
+                 WANT_Q: tl.constexpr, PRECISION: tl.constexpr):
+    """Factor rows [k0, m) × columns [k0, k0 + COLS) of matrix program_id(0), held in registers:
+    nref = min(k − k0, COLS) reflectors. Reads src; writes the factored tile and tau to a (WANT_A),
+    the panel's T to t[b, blk] (WANT_T), Q [m, k] and R [k, n] (WANT_Q: the tile is the whole matrix)."""
     b = tl.program_id(0).to(tl.int64)
     rows = k0 + tl.arange(0, ROWS)
     c = tl.arange(0, COLS)
@@ -39,7 +40,7 @@ def _tile_kernel(src_ptr, a_ptr, tau_ptr, t_ptr, q_ptr, r_ptr, m, n, k, k0, nref
     offsets = b * m * n + rows[:, None] * n + cols[None, :]
     X = tl.load(src_ptr + offsets, mask=in_a, other=0.0)
     taus = tl.zeros([COLS], dtype=tl.float32)
-    row_terms, y_terms = gather_terms(X, rows, c, k0, 0, 1.0)
+    row_terms, y_terms = gather_terms(X, rows, k0, 0, 1.0)
     row_j = tl.sum(row_terms, axis=0)
     y = tl.sum(y_terms, axis=0)
     jj = nref * 0
@@ -49,15 +50,15 @@ def _tile_kernel(src_ptr, a_ptr, tau_ptr, t_ptr, q_ptr, r_ptr, m, n, k, k0, nref
         sigma = pick(y, c, jj)
         scale = tl.full([], 1.0, tl.float32)
         if needs_rescale(alpha, sigma):
-            scale = column_absmax(X, rows, c, j, jj)
+            scale = column_absmax(X, rows, j, jj)
             scale = tl.where(scale == 0.0, 1.0, scale)
-            _, y_terms = gather_terms(X, rows, c, j, jj, 1.0 / scale)
+            _, y_terms = gather_terms(X, rows, j, jj, 1.0 / scale)
             y = tl.sum(y_terms, axis=0)
             sigma = pick(y, c, jj) / scale
         beta, tau, vscale, wscale = reflector(alpha, sigma, scale)
         X = apply_reflector(X, rows, c, j, jj, beta, tau, vscale, row_j + y * wscale)
         taus = tl.where(c == jj, tau, taus)
-        row_terms, y_terms = gather_terms(X, rows, c, j + 1, jj + 1, 1.0)
+        row_terms, y_terms = gather_terms(X, rows, j + 1, jj + 1, 1.0)
         row_j = tl.sum(row_terms, axis=0)
         y = tl.sum(y_terms, axis=0)
         jj += 1
@@ -67,12 +68,12 @@ def _tile_kernel(src_ptr, a_ptr, tau_ptr, t_ptr, q_ptr, r_ptr, m, n, k, k0, nref
     if WANT_T:
         tl.debug_barrier()
         _store_t(a_ptr + b * m * n, t_ptr + (b * nblocks + blk) * COLS * COLS, m, n, k0, nref, taus, COLS,
-                 T_BM, PRECISION)
+                 PRECISION)
     if WANT_Q:
         Q = tl.where(rows[:, None] == cols[None, :], 1.0, 0.0)
         jj = nref - 1
         while jj >= 0:
-            v = tl.where(rows > jj, column(X, c, jj), tl.where(rows == jj, 1.0, 0.0))
+            v = tl.where(rows > jj, column(X, jj), tl.where(rows == jj, 1.0, 0.0))
             w = tl.sum(v[:, None] * Q, axis=0)
             Q = Q - (pick(taus, c, jj) * v)[:, None] * w[None, :]
             jj -= 1
@@ -84,23 +85,36 @@ def _tile_kernel(src_ptr, a_ptr, tau_ptr, t_ptr, q_ptr, r_ptr, m, n, k, k0, nref
 
 @triton.jit
 def _chunk(a_base, r0, m, n, cols, col_ok, BM: tl.constexpr):
-    """Rows [r0, r0 + BM) of the panel's columns (zeros outside the matrix): (pointers, mask, rows)."""
+    """Rows [r0, r0 + BM) of the given columns: (pointers, mask, rows); outside the matrix masked."""
     rows = r0 + tl.arange(0, BM)
     return a_base + rows[:, None] * n + cols[None, :], (rows < m)[:, None] & col_ok[None, :], rows
 
 
 @triton.jit
-def _store_t(a_base, t_base, m, n, k0, nref, taus, NB: tl.constexpr, BM: tl.constexpr, PRECISION: tl.constexpr):
-    """The T factor of the factored panel at columns [k0, k0 + NB) (read back from memory, BM rows
-    at a time: a tall panel's VᵀV in one tl.dot would not fit in shared memory) into t_base."""
+def _load(a_base, r0, m, n, cols, col_ok, BM: tl.constexpr):
+    """The values of _chunk (zeros outside the matrix). The loops over chunks are while loops, which
+    Triton does not pipeline: each loads its next chunk before working on the current one, so that
+    the load's latency overlaps the work (only the values are carried: pointers cost registers)."""
+    ptrs, mask, _ = _chunk(a_base, r0, m, n, cols, col_ok, BM)
+    return tl.load(ptrs, mask=mask, other=0.0)
+
+
+@triton.jit
+def _store_t(a_base, t_base, m, n, k0, nref, taus, NB: tl.constexpr, PRECISION: tl.constexpr):
+    """The T factor of the factored panel at columns [k0, k0 + NB) into t_base, from VᵀV read back
+    from memory T_ROWS rows at a time (a tall panel's VᵀV in one tl.dot overflows shared memory,
+    and chunks of 128 rows made the kernels spill registers)."""
+    BM: tl.constexpr = T_ROWS
     c = tl.arange(0, NB)
     cols = k0 + c
     G = tl.zeros([NB, NB], dtype=tl.float32)
     r0 = k0
+    X = _load(a_base, r0, m, n, cols, cols < n, BM)
     while r0 < m:
-        ptrs, in_a, rows = _chunk(a_base, r0, m, n, cols, cols < n, BM)
-        V = unit_lower(tl.load(ptrs, mask=in_a, other=0.0), rows, cols, c < nref)
+        next_X = _load(a_base, r0 + BM, m, n, cols, cols < n, BM)
+        V = unit_lower(X, r0 + tl.arange(0, BM), cols, c < nref)
         G = tl.dot(tl.trans(V), V, G, input_precision=PRECISION)
+        X = next_X
         r0 += BM
     tl.store(t_base + c[:, None] * NB + c[None, :], build_t(G, taus, c, nref))
 
@@ -108,28 +122,28 @@ def _store_t(a_base, t_base, m, n, k0, nref, taus, NB: tl.constexpr, BM: tl.cons
 @triton.jit
 def _stream_gather(a_base, m, n, k0, j, jj, cols, col_ok, inv_scale, BM: tl.constexpr, NB: tl.constexpr):
     """(row_j, y) of the reflector at (j, jj), over the chunks of rows >= j (chunks aligned at k0)."""
-    c = tl.arange(0, NB)
     row_acc = tl.zeros([BM, NB], dtype=tl.float32)
     y_acc = tl.zeros([BM, NB], dtype=tl.float32)
     r0 = k0 + (jj // BM) * BM
+    X = _load(a_base, r0, m, n, cols, col_ok, BM)
     while r0 < m:
-        ptrs, in_a, rows = _chunk(a_base, r0, m, n, cols, col_ok, BM)
-        row_t, y_t = gather_terms(tl.load(ptrs, mask=in_a, other=0.0), rows, c, j, jj, inv_scale)
+        next_X = _load(a_base, r0 + BM, m, n, cols, col_ok, BM)
+        row_t, y_t = gather_terms(X, r0 + tl.arange(0, BM), j, jj, inv_scale)
         row_acc += row_t
         y_acc += y_t
+        X = next_X
         r0 += BM
     return tl.sum(row_acc, axis=0), tl.sum(y_acc, axis=0)
 
 
 @triton.jit
-def _stream_absmax(a_base, m, n, k0, j, jj, cols, col_ok, BM: tl.constexpr, NB: tl.constexpr):
+def _stream_absmax(a_base, m, n, k0, j, jj, cols, col_ok, BM: tl.constexpr):
     """column_absmax over the chunks of rows >= j."""
-    c = tl.arange(0, NB)
     result = tl.full([], 0.0, tl.float32)
     r0 = k0 + (jj // BM) * BM
     while r0 < m:
-        ptrs, in_a, rows = _chunk(a_base, r0, m, n, cols, col_ok, BM)
-        result = tl.maximum(result, column_absmax(tl.load(ptrs, mask=in_a, other=0.0), rows, c, j, jj))
+        X = _load(a_base, r0, m, n, cols, col_ok, BM)
+        result = tl.maximum(result, column_absmax(X, r0 + tl.arange(0, BM), j, jj))
         r0 += BM
     return result
 
@@ -155,7 +169,7 @@ def _panel_stream_kernel(a_ptr, tau_ptr, t_ptr, m, n, k, k0, nref, blk, nblocks,
         sigma = pick(y, c, jj)
         scale = tl.full([], 1.0, tl.float32)
         if needs_rescale(alpha, sigma):
-            scale = _stream_absmax(a_base, m, n, k0, j, jj, cols, col_ok, BM, NB)
+            scale = _stream_absmax(a_base, m, n, k0, j, jj, cols, col_ok, BM)
             scale = tl.where(scale == 0.0, 1.0, scale)
             _, y = _stream_gather(a_base, m, n, k0, j, jj, cols, col_ok, 1.0 / scale, BM, NB)
             sigma = pick(y, c, jj) / scale
@@ -165,20 +179,23 @@ def _panel_stream_kernel(a_ptr, tau_ptr, t_ptr, m, n, k, k0, nref, blk, nblocks,
         row_acc = tl.zeros([BM, NB], dtype=tl.float32)
         y_acc = tl.zeros([BM, NB], dtype=tl.float32)
         r0 = k0 + (jj // BM) * BM
+        X = _load(a_base, r0, m, n, cols, col_ok, BM)
         while r0 < m:
+            next_X = _load(a_base, r0 + BM, m, n, cols, col_ok, BM)
             ptrs, in_a, rows = _chunk(a_base, r0, m, n, cols, col_ok, BM)
-            X = apply_reflector(tl.load(ptrs, mask=in_a, other=0.0), rows, c, j, jj, beta, tau, vscale, w)
+            X = apply_reflector(X, rows, c, j, jj, beta, tau, vscale, w)
             tl.store(ptrs, X, mask=in_a)
-            row_t, y_t = gather_terms(X, rows, c, j + 1, jj + 1, 1.0)
+            row_t, y_t = gather_terms(X, rows, j + 1, jj + 1, 1.0)
             row_acc += row_t
             y_acc += y_t
+            X = next_X
             r0 += BM
         row_j = tl.sum(row_acc, axis=0)
         y = tl.sum(y_acc, axis=0)
         tl.debug_barrier()
         jj += 1
     tl.store(tau_ptr + b * k + cols, taus, mask=c < nref)
-    _store_t(a_base, t_ptr + (b * nblocks + blk) * NB * NB, m, n, k0, nref, taus, NB, BM, PRECISION)
+    _store_t(a_base, t_ptr + (b * nblocks + blk) * NB * NB, m, n, k0, nref, taus, NB, PRECISION)
 
 
 @triton.jit(do_not_specialize=["k0", "nref", "blk", "col0"])
@@ -198,23 +215,29 @@ def _apply_kernel(a_ptr, t_ptr, c_ptr, m, n, k0, nref, blk, nblocks, ldc, col0, 
     c_ok = ccols < col1
     W = tl.zeros([NB, BN], dtype=tl.float32)
     r0 = k0
+    V = _load(a_base, r0, m, n, vcols, v_ok, BM)
+    C = _load(c_base, r0, m, ldc, ccols, c_ok, BM)
     while r0 < m:
-        v_ptrs, v_in, rows = _chunk(a_base, r0, m, n, vcols, v_ok, BM)
-        V = unit_lower(tl.load(v_ptrs, mask=v_in, other=0.0), rows, vcols, v_ok)
-        c_ptrs, c_in, _ = _chunk(c_base, r0, m, ldc, ccols, c_ok, BM)
-        W = tl.dot(tl.trans(V), tl.load(c_ptrs, mask=c_in, other=0.0), W, input_precision=PRECISION)
+        next_V = _load(a_base, r0 + BM, m, n, vcols, v_ok, BM)
+        next_C = _load(c_base, r0 + BM, m, ldc, ccols, c_ok, BM)
+        V = unit_lower(V, r0 + tl.arange(0, BM), vcols, v_ok)
+        W = tl.dot(tl.trans(V), C, W, input_precision=PRECISION)
+        V, C = next_V, next_C
         r0 += BM
     T = tl.load(t_ptr + ((b * nblocks + blk) * NB + vc[:, None]) * NB + vc[None, :])
     if TRANS_T:
         T = tl.trans(T)
     W = tl.dot(T, W, input_precision=PRECISION)
     r0 = k0
+    V = _load(a_base, r0, m, n, vcols, v_ok, BM)
+    C = _load(c_base, r0, m, ldc, ccols, c_ok, BM)
     while r0 < m:
-        v_ptrs, v_in, rows = _chunk(a_base, r0, m, n, vcols, v_ok, BM)
-        V = unit_lower(tl.load(v_ptrs, mask=v_in, other=0.0), rows, vcols, v_ok)
-        c_ptrs, c_in, _ = _chunk(c_base, r0, m, ldc, ccols, c_ok, BM)
-        C = tl.load(c_ptrs, mask=c_in, other=0.0)
+        next_V = _load(a_base, r0 + BM, m, n, vcols, v_ok, BM)
+        next_C = _load(c_base, r0 + BM, m, ldc, ccols, c_ok, BM)
+        c_ptrs, c_in, rows = _chunk(c_base, r0, m, ldc, ccols, c_ok, BM)
+        V = unit_lower(V, rows, vcols, v_ok)
         tl.store(c_ptrs, C - tl.dot(V, W, input_precision=PRECISION), mask=c_in)
+        V, C = next_V, next_C
         r0 += BM
 
 
@@ -240,7 +263,7 @@ def _whole_tile(A, cfg, want_q):
         a, tau = torch.empty_like(A), A.new_empty(B, k)
         out = (a, tau, A, A, A)
     _tile_kernel[(B,)](A, *out, m, n, k, 0, k, 0, 1, ROWS=rows, COLS=cols, WANT_A=not want_q, WANT_T=False,
-                       WANT_Q=want_q, T_BM=16, PRECISION=cfg.precision, num_warps=tile_warps(rows * cols))
+                       WANT_Q=want_q, PRECISION=cfg.precision, num_warps=tile_warps(rows * cols))
     return (Q, R) if want_q else (a, tau)
 
 
@@ -258,7 +281,7 @@ def _factor_blocked(a, cfg):
         rows = max(16, triton.next_power_of_2(m - k0))
         if rows * nb <= cfg.panel_max:
             _tile_kernel[(B,)](a, a, tau, T, a, a, m, n, k, k0, nref, blk, nblocks, ROWS=rows, COLS=nb, WANT_A=True,
-                               WANT_T=True, WANT_Q=False, T_BM=min(rows, cfg.stream_bm), PRECISION=cfg.precision,
+                               WANT_T=True, WANT_Q=False, PRECISION=cfg.precision,
                                num_warps=tile_warps(rows * nb))
         else:
             _panel_stream_kernel[(B,)](a, tau, T, m, n, k, k0, nref, blk, nblocks, NB=nb, BM=cfg.stream_bm,
