@@ -8,6 +8,7 @@ import torch
 
 from custom_ops import batched_qr as qr_pkg
 from custom_ops.batched_qr import QRConfig, _triton_geqrf, _triton_qr, batched_geqrf, batched_qr, prefer_ours
+from custom_ops.batched_qr.configs import table_prefers
 from tests.helpers import HAS_CUDA
 
 DEVICE = "cuda" if HAS_CUDA else "cpu"
@@ -222,8 +223,17 @@ def test_prefer_ours():
 
 
 def test_speed_table_rows_are_ordered():
-    """Each row list is sorted by size, so prefer_ours takes the smallest class that holds a shape."""
+    """Each row list is sorted by side, so table_prefers finds a shape's neighbours."""
     for ops in qr_pkg.SPEED_TABLE.values():
         for rows in ops.values():
             sides = [side for side, _ in rows]
             assert sides == sorted(sides)
+
+
+def test_table_prefers_classes():
+    rows = ((32, 1), (176, 1), (352, 4), (4096, None))
+    assert table_prefers(rows, 8, 1) and table_prefers(rows, 176, 1)
+    assert not table_prefers(rows, 200, 2) and table_prefers(rows, 200, 4)  # between 176 and 352: the stricter
+    assert not table_prefers(rows, 352, 3) and table_prefers(rows, 352, 4)
+    assert not table_prefers(rows, 1000, 1000) and not table_prefers(rows, 4096, 10**6)
+    assert not table_prefers(rows, 5000, 10**6)

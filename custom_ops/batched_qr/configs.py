@@ -5,10 +5,15 @@ path on small matrices): which matrices are one register tile, the panel width n
 is too tall for registers and streams, the apply kernel's tiles, and ``tl.dot``'s precision.
 
 ``prefer_ours`` reads ``SPEED_TABLE``: ``benchmarks/bench_qr.py`` measured ours and torch on
-square fp32 matrices (its printed table and JSON hold every figure). A shape's class is
-its larger side s = max(m, n) rounded up to the next measured size, and the batch B; ours
-is preferred when the measured row for that class and op says so at a batch no larger than B
-(ours gains with the batch: torch loops over the matrices, our grid covers them all at once).
+square fp32 matrices of sides 32, 176, 352, 512, 1024, 2048 and 4096 (dense Gaussian, batches
+1, 4, 16 and the competition batch; its printed table and JSON hold every figure). A shape's
+class is its larger side s = max(m, n) and its batch B (the product of the leading dimensions).
+For each measured side the table holds the least measured batch from which on ours was faster
+at every larger measured batch (ours gains with the batch: torch loops over the matrices, our
+grid covers them all at once), or None where ours lost at every batch tried. A side between two
+measured sides takes the stricter of their two rows; one up to 32 takes the row of 32; one
+above 4096 is never preferred. Non-square shapes are classed by their larger side: a tall,
+thin matrix is cheaper for both, and no such shape was measured.
 """
 import dataclasses
 
@@ -25,7 +30,13 @@ class QRConfig:
     bm: int = 64                   # the apply kernel's row chunk and column tile
     bn: int = 64
     apply_warps: int = 4
-    precision: str = "tf32x3"      # tl.dot's input_precision: "tf32x3" or "ieee" (bench_qr.py measured both)
+    # tl.dot's input_precision: "tf32x3" or "ieee". On the H200 (a tuning run before the final
+    # kernels) 40×176 took 0.85 ms with tf32x3 and 1.26 ms with ieee, orthogonality 1.4e-5 and
+    # 7.4e-6 (torch 9.7e-6); plain "tf32" rounds the inputs to 10 mantissa bits.
+    precision: str = "tf32x3"
+    # Alternatives measured in that tuning run (the kernels as committed, bar renames), QR ms on the
+    # H200: panel_max 128·32: 0.88 vs 0.55 at 40×176; stream_bm 256 on 16 warps: 141 vs 121 at
+    # 2×4096; apply_warps 8: 26.5 vs 22.3 at 640×512.
 
 
 DEFAULT = QRConfig()
@@ -38,10 +49,25 @@ def tile_warps(elements: int) -> int:
     return max(1, min(16, elements // 512))
 
 
-# device name -> op -> rows (largest side s up to, least batch B at which ours was faster); a
-# class whose row says None was measured slower at every batch tried. Filled from
-# benchmarks/bench_qr.py's run on the H200 (the report and the benchmark's JSON have the figures).
-SPEED_TABLE: dict[str, dict[str, tuple[tuple[int, int | None], ...]]] = {}
+# device name -> op -> ((measured side, least batch at which ours won, None: never), ...), sides
+# ascending. From benchmarks/bench_qr.py on the H200, 2026-12-01 (torch 2.11.0+cu130, triton 3.6.0):
+# e.g. side 512: batch 1 ours 2.61 ms vs torch 1.87, batch 4 ours 2.66 vs 7.33; side 4096: batch 1
+# 119.8 vs 28.4, batch 2 121.2 vs 56.8.
+SPEED_TABLE: dict[str, dict[str, tuple[tuple[int, int | None], ...]]] = {
+    "NVIDIA H200": {
+        "qr": ((32, 1), (176, 1), (352, 4), (512, 4), (1024, 4), (2048, 4), (4096, None)),
+        "geqrf": ((32, 4), (176, 4), (352, 4), (512, 4), (1024, 4), (2048, 4), (4096, None)),
+    },
+}
+
+
+def table_prefers(rows, side: int, batch: int) -> bool:
+    """What a SPEED_TABLE row list says for a matrix of larger side ``side`` in a batch of ``batch``."""
+    for i, (measured, least) in enumerate(rows):
+        if side <= measured:
+            bounds = [least] if side == measured or i == 0 else [rows[i - 1][1], least]
+            return None not in bounds and batch >= max(bounds)
+    return False
 
 
 def prefer_ours(shape, device, op: str = "qr", *, dtype: torch.dtype = torch.float32) -> bool:
@@ -56,11 +82,7 @@ def prefer_ours(shape, device, op: str = "qr", *, dtype: torch.dtype = torch.flo
     if device.type != "cuda" or dtype != torch.float32 or len(shape) < 2 or 0 in shape:
         return False
     rows = SPEED_TABLE.get(torch.cuda.get_device_name(device), {}).get(op, ())
-    side = max(shape[-2:])
     batch = 1
     for d in shape[:-2]:
         batch *= d
-    for largest_side, least_batch in rows:
-        if side <= largest_side:
-            return least_batch is not None and batch >= least_batch
-    return False
+    return table_prefers(rows, max(shape[-2:]), batch)
