@@ -34,8 +34,12 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 from custom_ops.adamw import configs as adamw_configs  # noqa: E402
 from custom_ops.adamw import triton_kernels as adamw_kernels  # noqa: E402
 from custom_ops.attention import configs, gluon_kernels, triton_kernels  # noqa: E402
+from custom_ops.batched_qr import configs as qr_configs  # noqa: E402
+from custom_ops.batched_qr import triton_kernels as qr_kernels  # noqa: E402
 from custom_ops.linear_cross_entropy import configs as xent_configs  # noqa: E402
 from custom_ops.linear_cross_entropy import triton_kernels as xent_kernels  # noqa: E402
+from custom_ops.newton_schulz import configs as ns_configs  # noqa: E402
+from custom_ops.newton_schulz import triton_kernels as ns_kernels  # noqa: E402
 
 # The most shared memory one thread block may opt into: 227 KiB on sm_90 and on sm_100
 # (CUDA C++ Programming Guide, "Technical Specifications per Compute Capability").
@@ -100,6 +104,64 @@ def row_kernel_sources():
            {"num_warps": adamw_configs.NUM_WARPS})
 
 
+def newton_schulz_sources():
+    """(name, ASTSource, compile options) of the Newton–Schulz kernels at their launch tiles, bf16: the
+    symmetric product of X (row-major, and column-major read in place: XT) and of A with the
+    polynomial's epilogue, and the update's GEMM (both layouts of X)."""
+    s, g = ns_configs.TILES.syrk, ns_configs.TILES.gemm
+
+    def desc(rows: int, cols: int, transposed: bool = False) -> str:  # as _Stacked.desc makes them
+        return f"tensordesc<bf16[{cols},{rows}]>" if transposed else f"tensordesc<bf16[{rows},{cols}]>"
+
+    for label, has_s, xt in (("X Xᵀ", False, False), ("X Xᵀ XT", False, True), ("bA + cA²", True, False)):
+        constexprs = {"XT": xt, "HAS_S": has_s, "BLOCK": s.block, "SPLIT": s.split, "BLOCK_K": s.block_k,
+                      "PREC": "tf32", **({} if has_s else {"s_desc": None})}
+        sig = {"x_desc": desc(s.block, s.block_k, xt), "xc_desc": desc(s.split * s.block, s.block_k, xt),
+               "s_desc": desc(s.block, s.split * s.block) if has_s else "constexpr",
+               "out_desc": desc(s.block, s.block), "alpha": "fp32", "beta": "fp32", "ROWS": "i32", "K": "i32",
+               **{k: "constexpr" for k in constexprs if k != "s_desc"}}
+        yield (f"ns_syrk {label}", tc.ASTSource(fn=ns_kernels._syrk_kernel, signature=sig, constexprs=constexprs),
+               {"num_warps": s.num_warps, "num_stages": s.num_stages})
+    for xt in (False, True):
+        constexprs = {"XT": xt, "BLOCK_M": g.block_m, "BLOCK_N": g.block_n, "BLOCK_K": g.block_k,
+                      "GROUP_M": g.group_m, "PREC": "tf32"}
+        sig = {"b_desc": desc(g.block_m, g.block_k), "x_desc": desc(g.block_k, g.block_n, xt),
+               "xe_desc": desc(g.block_m, g.block_n, xt), "out_desc": desc(g.block_m, g.block_n), "a": "fp32",
+               "ROWS": "i32", "N": "i32", **{k: "constexpr" for k in constexprs}}
+        yield (f"ns_gemm{' XT' if xt else ''}", tc.ASTSource(fn=ns_kernels._gemm_kernel, signature=sig,
+                                                                constexprs=constexprs),
+               {"num_warps": g.num_warps, "num_stages": g.num_stages})
+
+
+def batched_qr_sources():
+    """(name, ASTSource, compile options) of the batched QR's kernels at their largest launch shapes:
+    the whole-matrix tile (forming Q and R, or geqrf's form), the register panel, the streamed panel
+    and the apply kernel (to the trailing columns, and backwards to form Q)."""
+    cfg = qr_configs.DEFAULT
+    ints = {k: "i32" for k in ("m", "n", "k", "k0", "nref", "blk", "nblocks")}
+    tile = {"src_ptr": "*fp32", "a_ptr": "*fp32", "tau_ptr": "*fp32", "t_ptr": "*fp32", "q_ptr": "*fp32",
+            "r_ptr": "*fp32", **ints}
+    side = int(cfg.tile_max ** 0.5)
+    for name, rows, cols, want in (("qr_tile Q,R", side, side, "Q"), ("qr_tile geqrf", side, side, "A"),
+                                   ("qr_panel", cfg.panel_max // cfg.nb, cfg.nb, "AT")):
+        constexprs = {"ROWS": rows, "COLS": cols, "WANT_A": "A" in want, "WANT_T": "T" in want,
+                      "WANT_Q": "Q" in want, "PRECISION": cfg.precision}
+        yield (f"{name} {rows}x{cols}", tc.ASTSource(fn=qr_kernels._tile_kernel, signature={
+            **tile, **{k: "constexpr" for k in constexprs}}, constexprs=constexprs),
+            {"num_warps": qr_configs.tile_warps(rows * cols)})
+    constexprs = {"NB": cfg.nb, "BM": cfg.stream_bm, "PRECISION": cfg.precision}
+    sig = {"a_ptr": "*fp32", "tau_ptr": "*fp32", "t_ptr": "*fp32", **ints, **{k: "constexpr" for k in constexprs}}
+    yield ("qr_panel_stream", tc.ASTSource(fn=qr_kernels._panel_stream_kernel, signature=sig, constexprs=constexprs),
+           {"num_warps": cfg.stream_warps})
+    for trans_t in (True, False):
+        constexprs = {"NB": cfg.nb, "BM": cfg.bm, "BN": cfg.bn, "TRANS_T": trans_t, "PRECISION": cfg.precision}
+        sig = {"a_ptr": "*fp32", "t_ptr": "*fp32", "c_ptr": "*fp32", **{k: "i32" for k in (
+            "m", "n", "k0", "nref", "blk", "nblocks", "ldc", "col0", "col1")}, **{k: "constexpr" for k in constexprs}}
+        yield (f"qr_apply{' Tᵀ' if trans_t else ''}", tc.ASTSource(fn=qr_kernels._apply_kernel, signature=sig,
+                                                                   constexprs=constexprs),
+               {"num_warps": cfg.apply_warps})
+
+
 def _gluon_desc(rows: int, dtype: torch.dtype) -> str:
     return mangle_type(gluon_kernels._rows_desc(torch.empty(512, 128, dtype=dtype), rows))
 
@@ -153,7 +215,8 @@ def main() -> None:
     parser.add_argument("--arch", type=int, choices=sorted(SHARED_LIMIT), required=True,
                         help="compute capability major·10 + minor: 90 (H100/H200) or 100 (B200)")
     arch = parser.parse_args().arch
-    sources = [s for d in configs.HEAD_DIMS for s in attention_sources(d)] + list(row_kernel_sources())
+    sources = [s for d in configs.HEAD_DIMS for s in attention_sources(d)] + [
+        *row_kernel_sources(), *newton_schulz_sources(), *batched_qr_sources()]
     if arch == 90:
         sources += hopper_sources()
     shared, spills = {}, {}

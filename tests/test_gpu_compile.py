@@ -12,8 +12,11 @@ from custom_ops import attention as A
 
 HOPPER_BWD_SPILL_BYTES = 80  # register spill stores per thread the bf16 Gluon backward may have
 # Per head dim the forward, dK/dV, dQ and delta kernels, then the cross-entropy row kernel and
-# AdamW; on sm_90 also the two Gluon kernels in two dtypes, the row-stats delta and the dQ cast.
-KERNELS = {90: 4 * len(A.HEAD_DIMS) + 2 + 6, 100: 4 * len(A.HEAD_DIMS) + 2}
+# AdamW, the Newton–Schulz kernels (three symmetric products, two GEMMs) and the batched QR's (three
+# tile kernels, the streamed panel, two applies); on sm_90 also the two Gluon kernels in two dtypes,
+# the row-stats delta and the dQ cast.
+ANY_GPU = 4 * len(A.HEAD_DIMS) + 2 + 5 + 6
+KERNELS = {90: ANY_GPU + 6, 100: ANY_GPU}
 
 
 def compile_report(arch: int) -> dict:
