@@ -31,6 +31,10 @@ def default_command() -> str:
 
 
 def git_commit() -> str:
+    """HEAD's short hash; ``$COMPILE_STACK_COMMIT`` when set (a copy of the tree run elsewhere, e.g. a
+    ``git archive`` snapshot on a GPU machine, whose enclosing repository's HEAD is another commit)."""
+    if os.environ.get("COMPILE_STACK_COMMIT"):
+        return os.environ["COMPILE_STACK_COMMIT"]
     try:
         out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True)
     except OSError:

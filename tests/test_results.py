@@ -47,3 +47,13 @@ def test_tests_never_append_to_the_real_file():
     before = results.RESULTS.read_text()
     assert results.append_result("step", "1 ms", None) is None
     assert results.RESULTS.read_text() == before
+
+
+def test_a_snapshots_commit_comes_from_the_environment(tmp_path, monkeypatch):
+    path = tmp_path / "results.jsonl"
+    monkeypatch.setenv("COMPILE_STACK_COMMIT", "abc1234")
+    results.append_result("step", "9.0 ms", None, "run_step.py --compile", path=path)
+    monkeypatch.delenv("COMPILE_STACK_COMMIT")
+    results.append_result("step", "9.0 ms", None, "run_step.py --compile", path=path)
+    first, second = (json.loads(line)["commit"] for line in path.read_text().splitlines())
+    assert first == "abc1234" and second == results.git_commit() != "abc1234"
