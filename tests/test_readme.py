@@ -1,4 +1,4 @@
-"""The README's first example runs as written and every pass fires on it."""
+"""The README's first example runs as written and the passes it has work for fire on it."""
 import ast
 import re
 import subprocess
