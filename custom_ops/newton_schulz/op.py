@@ -1,7 +1,9 @@
 """The ``cstack::newton_schulz`` op, its argument checks, and ``zeropower``, Muon's whole
 orthogonalisation for code that calls us directly.
 
-CUDA tensors run the Triton kernels (``triton_kernels``), CPU tensors ``cpu.iterate``. The op
+CUDA tensors run the Triton kernels (``triton_kernels``) on GPUs with TMA (compute capability
+9.0 and up: their tiles are read through tensor descriptors), ``cpu.iterate`` (plain torch) on
+older GPUs and on CPU tensors. The op
 takes X with any strides (the kernels copy it into their padded row-major buffers when its
 layout cannot back a TMA descriptor) and returns a new contiguous tensor. It is not
 differentiable: optimizers call it under no_grad, and a backward through it raises.
@@ -42,6 +44,8 @@ def newton_schulz(X: torch.Tensor, steps: int, a: float, b: float, c: float) -> 
     require(runs_triton(X), "X", "a CUDA tensor", X.device)
     require(X.dim() == 2 or X.size(0) <= 65535, "X", "at most 65,535 matrices (a CUDA grid dimension)",
             f"{X.size(0)}")
+    if torch.cuda.get_device_capability(X.device) < (9, 0):
+        return iterate(X, steps, a, b, c)
     return newton_schulz_triton(X, steps, a, b, c)
 
 
