@@ -29,18 +29,17 @@ def test_torch_optim_muon():
 
 
 def orthogonalise(G, steps=5, eps=1e-7):
-    """A user's quintic Newton–Schulz, batched-ready: ``X @ X.mT``, normalised per matrix."""
-    a, b, c = 3.4445, -4.7750, 2.0315
-    X = G.bfloat16()
+    """A user's quintic Newton–Schulz, batched-ready: ``transpose(-2, -1)``, ``torch.matmul``,
+    normalised per matrix by a vector norm over its flattened entries."""
+    coefficients = (3.4445, -4.7750, 2.0315)
     tall = G.size(-2) > G.size(-1)
-    if tall:
-        X = X.mT
-    X = X / (X.norm(dim=(-2, -1), keepdim=True) + eps)
+    X = (G.transpose(-2, -1) if tall else G).to(torch.bfloat16)
+    X = X / (torch.linalg.vector_norm(X.flatten(-2), dim=-1)[..., None, None] + eps)
     for _ in range(steps):
-        A = X @ X.mT
-        B = b * A + c * A @ A
-        X = a * X + B @ X
-    return X.mT if tall else X
+        gram = torch.matmul(X, X.transpose(-2, -1))
+        poly = coefficients[1] * gram + coefficients[2] * torch.matmul(gram, gram)
+        X = coefficients[0] * X + torch.matmul(poly, X)
+    return X.transpose(-2, -1) if tall else X
 
 
 class LerpMuon(torch.optim.Optimizer):
