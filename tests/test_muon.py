@@ -13,6 +13,7 @@ import compile_stack
 import compile_stack.muon
 import run_step
 from compile_stack.config import PRESETS
+from compile_stack.harness.user_code import make_train_step
 from compile_stack.muon import Muon, is_hidden_matrix
 from compile_stack.reference import Transformer, cross_entropy
 from passes import registry
@@ -139,17 +140,6 @@ def test_bad_param_groups_are_refused(groups, message):
 CFG = PRESETS["tiny"].with_overrides(layers=1, seq=16, d_model=32, heads=2, d_ff=80, vocab=150)
 
 
-def train_step(model, optimizer):
-    def step(inputs, targets):
-        optimizer.zero_grad(set_to_none=True)
-        loss = cross_entropy(model(inputs), targets).sum()
-        loss.backward()
-        optimizer.step()
-        return loss
-
-    return step
-
-
 def test_compiled_muon_equals_eager_with_one_call_per_matrix():
     """The bf16 reference model, 3 steps through compile_step with the optimizer's passes. (The model's
     own passes change bf16 gradients by about 1%, which Newton–Schulz turns into some 10% of an update:
@@ -159,8 +149,9 @@ def test_compiled_muon_equals_eager_with_one_call_per_matrix():
     model = Transformer(CFG).to(torch.bfloat16)
     eager_model = copy.deepcopy(model)
     opt, eager_opt = Muon(model.parameters(), lr=0.3), Muon(eager_model.parameters(), lr=0.3)
-    compiled = compile_stack.compile_step(train_step(model, opt), passes=["adamw", "newton_schulz"], codegen=False)
-    eager = train_step(eager_model, eager_opt)
+    compiled = compile_stack.compile_step(make_train_step(model, cross_entropy, opt), passes=["adamw", "newton_schulz"],
+                                          codegen=False)
+    eager = make_train_step(eager_model, cross_entropy, eager_opt)
     generator = torch.Generator().manual_seed(0)
     for _ in range(3):
         before = [(p.detach().clone(), q.detach().clone()) for p, q in zip(model.parameters(), eager_model.parameters())]
