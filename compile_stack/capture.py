@@ -74,8 +74,8 @@ class PassBackend:
         self.writer = writer
 
     @contextlib.contextmanager
-    def active(self):
-        """Our passes, settings and inspection hooks in force.
+    def active(self, on_gpu: bool = False):
+        """Our passes, settings and inspection hooks in force (``on_gpu``: for a graph on a GPU).
 
         The step runs inside this too: AOTAutograd may compile a backward
         graph lazily, at the first ``backward()``.
@@ -84,7 +84,7 @@ class PassBackend:
         with (
             registry.installed([p.name for p in self.pass_list], observer, stages=("joint", "post_grad")),
             settings.memory_budget(self.memory_budget),
-            torch._inductor.config.patch(settings.inductor_options()),
+            settings.inductor_config(on_gpu),
             inspection.capture_output_code(self.writer),
         ):
             yield
@@ -118,7 +118,7 @@ class PassBackend:
             partitioner = BudgetedPartitioner(self.ledger, f"{self.name}:{self._report_key(gm).stem}", uses)
         compile_graph = functools.partial(compile_fx if self.codegen else self._compile_without_codegen,
                                           **({} if self.codegen else {"partitioner": partitioner}))
-        with self.active(), backward_now, torch._inductor.config.patch(custom_partitioner_fn=partitioner):
+        with self.active(settings.on_gpu(example_inputs)), backward_now, torch._inductor.config.patch(custom_partitioner_fn=partitioner):
             if graph_returns_tuple(gm):
                 compiled = compile_graph(gm, example_inputs)
             else:  # a segment returning one value

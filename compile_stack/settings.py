@@ -7,6 +7,10 @@
   anything else in the directory is left alone.
 - No max-autotune: Inductor's default heuristics; our own kernels use fixed
   tile tables instead of autotuning.
+- A GPU graph's C++ kernels get no vector ISA (``cpp.vec_isa_ok``): they are
+  scalar bookkeeping (Python floats Inductor turned into 0-d CPU tensors, such
+  as an optimizer's bias correction), and Inductor's probe of the host's ISAs
+  (a build and a Python process per ISA) cost ~30 s of every start on the H200.
 - ``activation_memory_budget`` (AOTAutograd's min-cut partitioner) is how the
   step trades memory for recomputation: 1.0 saves what the partitioner likes,
   lower values recompute more.
@@ -18,6 +22,7 @@ import tempfile
 from pathlib import Path
 
 import torch
+from torch._inductor import cpu_vec_isa
 
 CACHE_ENV = "COMPILE_STACK_CACHE"
 
@@ -71,14 +76,35 @@ def use_cache_dir(path: Path | None = None, fresh: bool = False) -> Path:
     return path
 
 
-def inductor_options() -> dict:
-    """Inductor config for our compiles (merged into torch.compile's ``options``)."""
-    return {
+def inductor_options(on_gpu: bool = False) -> dict:
+    """Inductor config for our compiles; ``on_gpu``: for a graph whose inputs live on a GPU."""
+    options = {
         "max_autotune": False,
         "fx_graph_cache": True,
         # Compile Triton kernels in parallel worker processes.
         "compile_threads": max(1, min(32, os.cpu_count() or 1)),
     }
+    if on_gpu:
+        options["cpp.vec_isa_ok"] = False  # no ISA probe for its scalar C++ kernels (module docstring)
+    return options
+
+
+@contextlib.contextmanager
+def inductor_config(on_gpu: bool = False):
+    """``inductor_options(on_gpu)`` in force. Inductor remembers the host's vector ISAs for the
+    process once it has looked; a GPU graph's look (none, without the probe) is forgotten after
+    it, so a CPU graph compiled later in the process still gets its vector ISA."""
+    try:
+        with torch._inductor.config.patch(inductor_options(on_gpu)):
+            yield
+    finally:
+        if on_gpu:
+            cpu_vec_isa.valid_vec_isa_list.cache_clear()
+
+
+def on_gpu(example_inputs) -> bool:
+    """Whether a graph's inputs include a tensor on a GPU (CUDA)."""
+    return any(isinstance(x, torch.Tensor) and x.is_cuda for x in example_inputs)
 
 
 # At exactly 0 the partitioner saves only the graph's inputs, ignoring the

@@ -97,3 +97,26 @@ def test_memory_budget_range():
     with pytest.raises(ValueError, match=r"^memory_budget:"):
         with settings.memory_budget(1.5):
             pass
+
+
+
+def test_a_gpu_graph_compiles_its_cpu_kernels_without_probing_the_hosts_isa(monkeypatch):
+    """A GPU graph's C++ kernels are scalar bookkeeping: no ISA probe (a build and a Python process
+    per ISA, ~30 s of each start on the H200 host); what it found (nothing) is forgotten after it,
+    so a CPU graph compiled later still gets the host's vector ISA."""
+    import torch
+    from torch._inductor import cpu_vec_isa
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode():
+        assert settings.on_gpu([torch.empty(2, device="cuda"), 3])
+    assert not settings.on_gpu([torch.empty(2), 3.0])
+
+    probes = []
+    monkeypatch.setattr(cpu_vec_isa.VecISA, "check_build", lambda self, code: probes.append(self) or False)
+    cpu_vec_isa.valid_vec_isa_list.cache_clear()
+    with settings.inductor_config(on_gpu=True):
+        assert not cpu_vec_isa.pick_vec_isa()
+        assert cpu_vec_isa.valid_vec_isa_list.cache_info().currsize == 1
+    assert probes == []
+    assert cpu_vec_isa.valid_vec_isa_list.cache_info().currsize == 0
