@@ -42,6 +42,8 @@ from torch.fx._lazy_graph_module import _LazyGraphModule
 from torch.fx.passes.split_module import split_module
 from torch.nn.utils.stateless import _reparametrize_module
 
+from compile_stack.block_fakes import FakeOutput, call_key
+
 # A module path element that indexes a container: "G['model'].layers.3" or "L['self'].layers[3]".
 _INDEXED = re.compile(r"^(?P<container>.+?)(?:\.(?P<dot>\d+)|\[(?P<bracket>\d+)\])$")
 
@@ -215,8 +217,7 @@ def call_block(key: int, index: int, args: tuple, kwargs: dict, tensors: tuple):
     calls = _ROUTED[key]
     block = calls.blocks[index]
     if any(is_fake(t) for t in torch.utils._pytree.tree_leaves((args, kwargs, tensors))):  # Dynamo tracing
-        with _reparametrize_module(block, dict(zip(calls.tensor_names, tensors))):
-            return _class_forward(block, *args, **kwargs)
+        return calls.fake_forward(block, args, kwargs, tensors)
     return calls.compiled(block, *args, **kwargs)
 
 
@@ -244,16 +245,31 @@ class BlockCalls:
         self.key = id(self)
         _ROUTED[self.key] = self
         self.forwards = [self._forward(i) for i in range(len(blocks))]
+        self.tensors: list[tuple] = []  # each block's parameters and buffers while routed
+        self.fake_outputs: dict[tuple, FakeOutput | None] = {}  # by block_fakes.call_key
+
+    def fake_forward(self, block: torch.nn.Module, args: tuple, kwargs: dict, tensors: tuple):
+        """``block`` run on Dynamo's fake tensors, or, for a call whose key an earlier one had, a new
+        output of that one's metadata (block_fakes.py)."""
+        key = call_key(block, args, kwargs, tensors)
+        known = self.fake_outputs.get(key) if key is not None else None
+        if known is not None:
+            return known.make((args, kwargs, tensors))
+        with _reparametrize_module(block, dict(zip(self.tensor_names, tensors))):
+            output = _class_forward(block, *args, **kwargs)
+        if key is not None and key not in self.fake_outputs:
+            self.fake_outputs[key] = FakeOutput.of(output, (args, kwargs, tensors))
+        return output
 
     @staticmethod
     def _named_tensors(block):
         return [*block.named_parameters(), *block.named_buffers()]
 
     def _forward(self, index: int):
-        key, block = self.key, self.blocks[index]
+        key = self.key
 
         def forward(*args, **kwargs):
-            return call_block(key, index, args, kwargs, tuple(t for _, t in self._named_tensors(block)))
+            return call_block(key, index, args, kwargs, self.tensors[index])
 
         return forward
 
@@ -271,11 +287,16 @@ class BlockCalls:
 
     @contextlib.contextmanager
     def routed(self):
-        """While active, each block's ``forward`` is its ``call_block`` node."""
+        """While active, each block's ``forward`` is its ``call_block`` node.
+
+        Each block's parameters and buffers are listed here, outside Dynamo: traced, walking a
+        block's ``named_parameters()`` generators cost ~4 s per trace of a 34-block step."""
+        self.tensors = [tuple(t for _, t in self._named_tensors(b)) for b in self.blocks]
         for block, forward in zip(self.blocks, self.forwards):
             block.forward = forward
         try:
             yield
         finally:
+            self.tensors = []
             for block in self.blocks:
                 del block.forward
