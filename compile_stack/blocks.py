@@ -10,7 +10,8 @@ forward. Two ways, both automatic:
    (its closure or globals): while the compiled step runs, each block's
    ``forward`` is routed to ``call_block``, which Dynamo puts into the
    captured graph as ONE node (``allow_in_graph``; Dynamo runs the block on
-   fake tensors for the output's metadata) instead of tracing it. At run time
+   fake tensors for the output's metadata, once for all identical blocks:
+   ``block_fakes.py``) instead of tracing it. At run time
    that node calls the block's forward compiled by ``torch.compile`` with our
    backend: one graph for every block (Dynamo keys it on the code; the block's
    parameters are graph inputs and guards keep it right for any block that
