@@ -7,7 +7,7 @@ Shapes (causal, bf16): a = B2 H32 S32768 D128 (the 8B model), b = B1 H16 S16384 
 forward+backward in ms and TFLOP/s (causal fwd FLOPs = 4*B*H*S^2*D/2, bwd = 2.5x, fwd+bwd
 = 3.5x), peak memory of fwd+bwd, the ratio ours/cuDNN, a relative-error check of ours
 against SDPA, and each of our forward and backward paths alone (the Triton kernels; on Hopper
-at D=128 also the Gluon kernels the ops then run). --sweep also times a few candidate
+at D=64 and D=128 also the Gluon kernels the ops then run). --sweep also times a few candidate
 tile configs for each of our Triton kernels and prints the best, to choose the entries of
 custom_ops.attention.CONFIGS. Writes $OUT/bench_attention.json when OUT is set.
 """

@@ -162,39 +162,43 @@ def batched_qr_sources():
                {"num_warps": cfg.apply_warps})
 
 
-def _gluon_desc(rows: int, dtype: torch.dtype) -> str:
-    return mangle_type(gluon_kernels._rows_desc(torch.empty(512, 128, dtype=dtype), rows))
+def _gluon_desc(rows: int, dtype: torch.dtype, d: int) -> str:
+    return mangle_type(gluon_kernels._rows_desc(torch.empty(512, d, dtype=dtype), rows))
 
 
 def hopper_sources():
-    """(name, source, compile options) of the Gluon forward and backward (causal bf16 and non-causal fp16),
-    and of the two Triton kernels only their path runs: the row-stats delta and the dQ cast."""
+    """(name, source, compile options) of the Gluon forward and backward for each head dim they take
+    (causal bf16 and non-causal fp16), and of the two Triton kernels only their path runs: the
+    row-stats delta and the dQ cast."""
     fwd, bwd = configs.HOPPER_FWD, configs.HOPPER_BWD
-    for dtype, causal in ((torch.bfloat16, True), (torch.float16, False)):
-        tensor = mangle_type(torch.empty(0, dtype=dtype))
-        kernels = {
-            "hopper_fwd": (gluon_kernels._attn_fwd_hopper_kernel, fwd, {
-                "q_desc": _gluon_desc(fwd.block_m, dtype), "k_desc": _gluon_desc(fwd.block_n, dtype),
-                "v_desc": _gluon_desc(fwd.block_n, dtype), "o_desc": _gluon_desc(fwd.block_m // 2, dtype),
-                "LSE": "*fp32", "qk_scale": "fp32", "SQ": "i32", "SK": "i32",
-            }, {"COMPUTE_REGS": configs.HOPPER_FWD_COMPUTE_REGS}),
-            "hopper_bwd": (gluon_kernels._attn_bwd_hopper_kernel, bwd, {
-                "q_desc": _gluon_desc(bwd.block_m, dtype), "k_desc": _gluon_desc(bwd.block_n, dtype),
-                "v_desc": _gluon_desc(bwd.block_n, dtype), "do_desc": _gluon_desc(bwd.block_m, dtype),
-                "dq_desc": mangle_type(gluon_kernels._fragments_desc(torch.empty(512, 128))),
-                "DK": tensor, "DV": tensor,
-                "STATS": "*fp32", "qk_scale": "fp32", "scale": "fp32", "SQ": "i32", "SK": "i32",
-            }, {"num_warps": bwd.num_warps}),
-        }
-        for name, (fn, t, sig, extra) in kernels.items():
-            constexprs = {"IS_CAUSAL": causal, "HEAD_D": 128, "BLOCK_M": t.block_m, "BLOCK_N": t.block_n,
-                          "STAGES": t.num_stages, **extra}
-            sig.update({k: "constexpr" for k in constexprs})
-            yield f"{name} {str(dtype)[6:]}", GluonASTSource(fn=fn, signature=sig, constexprs=constexprs), _options(t)
-    yield "delta_stats D128", delta_source(128, configs.HOPPER_BWD_ROWS, with_lse=True), {}
-    yield ("dq_from_fragments bf16",
-           tc.ASTSource(fn=gluon_kernels._attn_dq_from_fragments_kernel, signature={"ACC": "*fp32", "DQ": "*bf16"}),
-           {"num_warps": 8})  # as dq_from_fragments launches it
+    for d in configs.HOPPER_HEAD_DIMS:
+        for dtype, causal in ((torch.bfloat16, True), (torch.float16, False)):
+            tensor = mangle_type(torch.empty(0, dtype=dtype))
+            kernels = {
+                "hopper_fwd": (gluon_kernels._attn_fwd_hopper_kernel, fwd, {
+                    "q_desc": _gluon_desc(fwd.block_m, dtype, d), "k_desc": _gluon_desc(fwd.block_n, dtype, d),
+                    "v_desc": _gluon_desc(fwd.block_n, dtype, d), "o_desc": _gluon_desc(fwd.block_m // 2, dtype, d),
+                    "LSE": "*fp32", "qk_scale": "fp32", "SQ": "i32", "SK": "i32",
+                }, {"COMPUTE_REGS": configs.HOPPER_FWD_COMPUTE_REGS}),
+                "hopper_bwd": (gluon_kernels._attn_bwd_hopper_kernel, bwd, {
+                    "q_desc": _gluon_desc(bwd.block_m, dtype, d), "k_desc": _gluon_desc(bwd.block_n, dtype, d),
+                    "v_desc": _gluon_desc(bwd.block_n, dtype, d), "do_desc": _gluon_desc(bwd.block_m, dtype, d),
+                    "dq_desc": mangle_type(gluon_kernels._fragments_desc(torch.empty(512, d))),
+                    "DK": tensor, "DV": tensor,
+                    "STATS": "*fp32", "qk_scale": "fp32", "scale": "fp32", "SQ": "i32", "SK": "i32",
+                }, {"num_warps": bwd.num_warps}),
+            }
+            for name, (fn, t, sig, extra) in kernels.items():
+                constexprs = {"IS_CAUSAL": causal, "HEAD_D": d, "BLOCK_M": t.block_m, "BLOCK_N": t.block_n,
+                              "STAGES": t.num_stages, **extra}
+                sig.update({k: "constexpr" for k in constexprs})
+                yield (f"{name} {str(dtype)[6:]}{'' if d == 128 else f' D{d}'}",
+                       GluonASTSource(fn=fn, signature=sig, constexprs=constexprs), _options(t))
+        yield f"delta_stats D{d}", delta_source(d, configs.HOPPER_BWD_ROWS, with_lse=True), {}
+        yield (f"dq_from_fragments bf16 D{d}",
+               tc.ASTSource(fn=gluon_kernels._attn_dq_from_fragments_kernel,
+                            signature={"ACC": "*fp32", "DQ": "*bf16", "HEAD_D": "constexpr"}, constexprs={"HEAD_D": d}),
+               {"num_warps": 8})  # as dq_from_fragments launches it
 
 
 PTXAS = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")

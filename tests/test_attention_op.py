@@ -181,7 +181,8 @@ def test_triton_kernels_broadcast_heads(scalar_loop_bounds):
     assert_close((out, lse, *grads), reference(q, k, v, dout, True, 0.25), torch.float32)
 
 
-def test_dq_fragment_order_is_the_accumulators():
+@pytest.mark.parametrize("head_d", A.HOPPER_HEAD_DIMS)
+def test_dq_fragment_order_is_the_accumulators(head_d):
     """The Gluon backward's dQ tile is stored in its wgmma accumulator's register order (each
     thread's pair, lanes, its other registers, warps): what keeps those stores free of bank
     conflicts. Checked against Triton's own linear layout of the accumulator."""
@@ -189,23 +190,24 @@ def test_dq_fragment_order_is_the_accumulators():
     context = ir.context()
     ir.load_dialects(context)
     builder = gluon_ir.GluonOpBuilder(context)
-    layout = A._dq_layout(128, A.HOPPER_BWD.num_warps // 4)
-    regs = builder.to_linear_layout(layout._to_ir(builder), [A.HOPPER_BWD.block_m, 128])
+    layout = A._dq_layout(head_d, A.HOPPER_BWD.num_warps // 4)
+    regs = builder.to_linear_layout(layout._to_ir(builder), [A.HOPPER_BWD.block_m, head_d])
     order = regs.reg_bases[:1] + regs.lane_bases + regs.reg_bases[1:] + regs.warp_bases
-    assert A.DQ_FRAGMENTS.value.offset_bases == order
+    assert A._dq_fragments(head_d).offset_bases == order
 
 
 @pytest.mark.skipif(not INTERPRETER, reason="interpreter run of the kernels (CPU only)")
-def test_dq_from_fragments_puts_tiles_back_in_row_order():
+@pytest.mark.parametrize("head_d", A.HOPPER_HEAD_DIMS)
+def test_dq_from_fragments_puts_tiles_back_in_row_order(head_d):
     """The fp32 dQ buffer, tiles in fragment order, comes back row-major and cast (two heads of
     two tiles)."""
-    rows, cols = torch.arange(64).view(-1, 1), torch.arange(128).view(1, -1)
-    offsets = torch.zeros(64, 128, dtype=torch.long)  # each element's offset, from DQ_FRAGMENTS' bases
-    for bit, (row, col) in enumerate(A.DQ_FRAGMENTS.value.offset_bases):
+    rows, cols = torch.arange(64).view(-1, 1), torch.arange(head_d).view(1, -1)
+    offsets = torch.zeros(64, head_d, dtype=torch.long)  # each element's offset, from the layout's bases
+    for bit, (row, col) in enumerate(A._dq_fragments(head_d).offset_bases):
         offsets |= (((rows & row) | (cols & col)) != 0).long() << bit
-    offsets, tile = offsets.flatten(), 64 * 128
+    offsets, tile = offsets.flatten(), 64 * head_d
     assert torch.equal(offsets.sort().values, torch.arange(tile))  # a permutation of the tile
-    dq = torch.randn(1, 2, 2 * 64, 128)
+    dq = torch.randn(1, 2, 2 * 64, head_d)
     buffer = torch.empty(dq.numel() // tile, tile)
     buffer[:, offsets] = dq.view(-1, tile)
     got = A.dq_from_fragments(buffer.view(dq.shape), torch.float16)
@@ -363,7 +365,7 @@ def test_gpu_matches_reference(b, h, sq, sk, d, causal, layout, dtype):
         assert_close(got, ref, dtype)
 
 
-HOPPER_CASES = [  # b, h, sq, sk, causal, layout, scale: D=128 in whole 128-row tiles
+HOPPER_CASES = [  # b, h, sq, sk, causal, layout, scale: whole 128-row tiles
     (2, 3, 384, 384, True, "contiguous", None),
     (1, 2, 1024, 1024, True, "transposed", None),
     (2, 3, 256, 256, False, "transposed", None),
@@ -377,12 +379,13 @@ sm90 = pytest.mark.skipif(not (HAS_CUDA and torch.cuda.get_device_capability() =
 @pytest.mark.gpu
 @sm90
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("head_d", A.HOPPER_HEAD_DIMS)
 @pytest.mark.parametrize("b,h,sq,sk,causal,layout,scale", HOPPER_CASES)
-def test_gpu_hopper_kernels_match_reference(b, h, sq, sk, causal, layout, scale, dtype):
+def test_gpu_hopper_kernels_match_reference(b, h, sq, sk, causal, layout, scale, head_d, dtype):
     """The Gluon forward and backward, called directly and through the ops (which must choose them)."""
-    q, k, v = make_qkv(b, h, sq, sk, 128, dtype, "cuda", layout)
+    q, k, v = make_qkv(b, h, sq, sk, head_d, dtype, "cuda", layout)
     dout = torch.randn_like(q)
-    scale = scale or 1 / math.sqrt(128)
+    scale = scale or 1 / math.sqrt(head_d)
     assert A.uses_hopper_kernels(q, k)
     ref = reference(q, k, v, dout, causal, scale)
     out, lse = A.hopper_fwd(q, k, v, causal, scale)
@@ -413,7 +416,9 @@ def test_dispatch_picks_gluon_on_sm90_only(capability):
     hopper = capability == (9, 0)
     assert A.hopper_kernels_accept(capability, 128, torch.bfloat16, 1024, 1024) == hopper
     assert A.hopper_kernels_accept(capability, 128, torch.float16, 256, 640) == hopper
-    for d, dtype, sq, sk in ((64, torch.bfloat16, 1024, 1024), (128, torch.float32, 1024, 1024),
+    assert A.hopper_kernels_accept(capability, 64, torch.bfloat16, 16384, 16384) == hopper  # the 2025 row's shape
+    for d, dtype, sq, sk in ((32, torch.bfloat16, 1024, 1024), (256, torch.bfloat16, 1024, 1024),
+                             (64, torch.float32, 1024, 1024), (128, torch.float32, 1024, 1024),
                              (128, torch.bfloat16, 1000, 1000), (128, torch.float16, 256, 200)):
         assert not A.hopper_kernels_accept(capability, d, dtype, sq, sk), (d, dtype, sq, sk)
 
@@ -421,11 +426,11 @@ def test_dispatch_picks_gluon_on_sm90_only(capability):
 @pytest.mark.gpu
 @sm90
 def test_gpu_hopper_dispatch_and_opcheck():
-    """Only D=128, 16-bit, whole-tile inputs take the Gluon kernels; both ops pass opcheck on them."""
+    """Only D=64/128, 16-bit, whole-tile inputs take the Gluon kernels; both ops pass opcheck on them."""
     take = make_qkv(1, 2, 256, 256, 128, torch.bfloat16, "cuda")
     assert A.uses_hopper_kernels(*take[:2])
     others = [  # sq, sk, d, dtype
-        (1000, 1000, 128, torch.bfloat16), (256, 256, 64, torch.bfloat16), (256, 256, 128, torch.float32),
+        (1000, 1000, 128, torch.bfloat16), (256, 256, 32, torch.bfloat16), (256, 256, 128, torch.float32),
         (256, 200, 128, torch.float16),
     ]
     for sq, sk, d, dtype in others:

@@ -22,13 +22,13 @@ are those callers, tests and benchmarks reach through the package.
 """
 from custom_ops.attention.configs import (
     CONFIGS, DELTA_BLOCK_M, DQ_FRAGMENT_ROW, HEAD_DIMS, HOPPER_BWD, HOPPER_BWD_ROWS, HOPPER_FWD,
-    HOPPER_FWD_COMPUTE_REGS, INTERPRETER_CONFIG, LOG2E, AttnConfig, Tiles, pick_config)
+    HOPPER_FWD_COMPUTE_REGS, HOPPER_HEAD_DIMS, INTERPRETER_CONFIG, LOG2E, AttnConfig, Tiles, pick_config)
 from custom_ops.attention.cpu import CPU_CHUNK, torch_bwd, torch_fwd
 from custom_ops.attention.triton_kernels import (
     _as_4d, _attn_bwd_delta_kernel, _attn_bwd_dkdv_kernel, _attn_bwd_dq_kernel, _attn_fwd_kernel, _delta,
     triton_bwd, triton_fwd)
 from custom_ops.attention.gluon_kernels import (
-    DQ_FRAGMENTS, _attn_bwd_hopper_kernel, _attn_dq_from_fragments_kernel, _attn_fwd_hopper_kernel, _dq_layout,
+    _attn_bwd_hopper_kernel, _attn_dq_from_fragments_kernel, _attn_fwd_hopper_kernel, _dq_fragments, _dq_layout,
     _fragments_desc, _rows_desc, dq_from_fragments, hopper_bwd, hopper_fwd, hopper_kernels_accept,
     uses_hopper_kernels)
 from custom_ops.attention.op import (

@@ -69,6 +69,9 @@ def pick_config(head_dim: int, dtype: torch.dtype) -> AttnConfig:
     return CONFIGS[(head_dim, dtype)]
 
 
+# Head dims the Gluon kernels take (on sm_90, 16-bit); others run the Triton kernels.
+HOPPER_HEAD_DIMS = (64, 128)
+
 # The Gluon forward: 128 queries per program in two compute warp groups of 64 (num_warps: per
 # compute warp group), 128-key K/V tiles in a 3-deep ring.
 HOPPER_FWD = Tiles(block_m=128, block_n=128, num_warps=4, num_stages=3)

@@ -1,7 +1,7 @@
 """The Gluon kernels for Hopper (sm_90) and their launchers: a warp-specialized forward
 (``hopper_fwd``) and a one-pass backward (``hopper_bwd``: five tile matmuls per tile pair where
 the two Triton kernels need seven). The CUDA ops run them on the inputs ``uses_hopper_kernels``
-accepts (16-bit, D = 128, whole 128-row tiles); BENCHMARKS.md has the figures.
+accepts (16-bit, D = 64 or 128, whole 128-row tiles); BENCHMARKS.md has the figures.
 
 Backward: the Triton backward recomputes S = QKᵀ and dP = dO·Vᵀ in both of its kernels: seven
 tile matmuls per (query tile, key tile). One pass needs five, but its dQ = dS·K must be summed
@@ -13,7 +13,7 @@ later matmul reads both operands from there (dV += Pᵀ·dO and dK += dSᵀ·Q, 
 own keys; dQ = dS·K, each half of D); dQ is added into an fp32 buffer by the copy engine (a TMA
 reduce-add). Two data layouts decide much of its speed:
 - dQ's tile goes to shared memory, and so to the fp32 buffer, in its accumulator's register
-  order (``DQ_FRAGMENTS``), not row-major: a warp's 64-bit stores then fill all 32 banks per
+  order (``_dq_fragments``), not row-major: a warp's 64-bit stores then fill all 32 banks per
   half-warp, where in the 128-byte-swizzled row-major tile a half-warp covered 4 rows and 16
   banks (twice the ideal wavefronts on every dQ store). ``_attn_dq_from_fragments_kernel``
   puts the summed buffer back in row order as it casts it.
@@ -39,17 +39,21 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor as GluonTensorDescriptor
 
 from custom_ops.attention.configs import (
-    DQ_FRAGMENT_ROW, HOPPER_BWD, HOPPER_FWD, HOPPER_FWD_COMPUTE_REGS, LOG2E, _LN2)
+    DQ_FRAGMENT_ROW, HOPPER_BWD, HOPPER_FWD, HOPPER_FWD_COMPUTE_REGS, HOPPER_HEAD_DIMS, LOG2E, _LN2)
 from custom_ops.attention.triton_kernels import _as_4d, _delta, _empty_bwd, _empty_fwd, _no_heads
 
 
 # --------------------------------------------------------------------------- backward
 
-# Offset bit i of a dQ tile holds the element of bit i of (register pair, lane, register, warp)
-# in dQ's wgmma accumulator layout (``_dq_layout(128, 2)``: 64 x 128, 4 x 2 warps).
-DQ_FRAGMENTS = gl.constexpr(gl.SharedLinearLayout(
-    offset_bases=[[0, 1], [0, 2], [0, 4], [1, 0], [2, 0], [4, 0], [8, 0], [0, 8], [0, 16], [0, 32],
-                  [16, 0], [32, 0], [0, 64]], alignment=128))
+@gluon.constexpr_function
+def _dq_fragments(head_d):
+    """dQ's 64 x ``head_d`` tile in its accumulator's register order (``_dq_layout(head_d, 2)``, 4 x 2
+    warps): offset bit i holds the element of bit i of (register pair, lane, register, warp). For
+    D = 128: col 0, cols 1-2 and rows 0-2 (the lane), row 3, cols 3-5 (the register), rows 4-5 and
+    col 6 (the warp)."""
+    chunks = [[0, 8 << i] for i in range((head_d // 16).bit_length() - 1)]  # a group's 8-column chunks
+    bases = [[0, 1], [0, 2], [0, 4], [1, 0], [2, 0], [4, 0], [8, 0], *chunks, [16, 0], [32, 0], [0, head_d // 2]]
+    return gl.SharedLinearLayout(offset_bases=bases, alignment=128)
 
 
 @gluon.constexpr_function
@@ -100,7 +104,7 @@ def _attn_bwd_hopper_kernel(q_desc, k_desc, v_desc, do_desc, dq_desc, DK, DV, ST
     do_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, HEAD_D], do_desc.layout)
     p_smem = gl.allocate_shared_memory(dtype, [BLOCK_M, BLOCK_N], PS_SHARED)
     ds_smem = gl.allocate_shared_memory(dtype, [BLOCK_M, BLOCK_N], PS_SHARED)
-    dq_smem = gl.allocate_shared_memory(gl.float32, [BLOCK_M, HEAD_D], DQ_FRAGMENTS)
+    dq_smem = gl.allocate_shared_memory(gl.float32, [BLOCK_M, HEAD_D], _dq_fragments(HEAD_D))
     dq_box = dq_smem._reinterpret(gl.float32, dq_desc.block_type.shape, dq_desc.layout)  # what the TMA reads
     kv_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
     ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
@@ -304,9 +308,10 @@ def uses_hopper_kernels(q: torch.Tensor, k: torch.Tensor) -> bool:
 
 def hopper_kernels_accept(capability: tuple[int, int], head_dim: int, dtype: torch.dtype, sq: int, sk: int) -> bool:
     """The dispatch rule, apart from the device so CPU tests can check it: an sm_90 GPU exactly (the
-    kernels use wgmma, which sm_100 and older GPUs lack), D = 128, 16-bit, Sq and Sk in whole 128-row tiles."""
+    kernels use wgmma, which sm_100 and older GPUs lack), D = 64 or 128, 16-bit, Sq and Sk in whole
+    128-row tiles."""
     tile = math.lcm(HOPPER_FWD.block_m, HOPPER_FWD.block_n, HOPPER_BWD.block_m, HOPPER_BWD.block_n)
-    return (capability == (9, 0) and head_dim == 128 and dtype in (torch.bfloat16, torch.float16)
+    return (capability == (9, 0) and head_dim in HOPPER_HEAD_DIMS and dtype in (torch.bfloat16, torch.float16)
             and sq % tile == 0 and sk % tile == 0)
 
 
@@ -329,21 +334,23 @@ def _fragments_desc(acc: torch.Tensor) -> GluonTensorDescriptor:
 
 
 @triton.jit
-def _attn_dq_from_fragments_kernel(ACC, DQ):
-    """One 64 x 128 tile of the fp32 dQ buffer, read in DQ_FRAGMENTS order, written row-major in
-    DQ's dtype. DQ_FRAGMENTS' offset bits, high to low, are runs of column and row bits:
-    col 6, rows 4-5, cols 3-5, rows 0-3, cols 0-2; a permute of those runs makes them row-major."""
-    base = tl.program_id(0).to(tl.int64) * 8192
-    tile = tl.arange(0, 8192)
-    runs = tl.reshape(tl.load(ACC + base + tile), (2, 4, 8, 16, 8))
-    row_major = tl.reshape(tl.permute(runs, (1, 3, 0, 2, 4)), (8192,))
+def _attn_dq_from_fragments_kernel(ACC, DQ, HEAD_D: tl.constexpr):
+    """One 64 x HEAD_D tile of the fp32 dQ buffer, read in ``_dq_fragments`` order, written row-major
+    in DQ's dtype. Its offset bits, high to low, are runs of column and row bits (D = 128: col 6,
+    rows 4-5, cols 3-5, rows 0-3, cols 0-2); a permute of those runs makes them row-major."""
+    TILE: tl.constexpr = 64 * HEAD_D
+    base = tl.program_id(0).to(tl.int64) * TILE
+    tile = tl.arange(0, TILE)
+    runs = tl.reshape(tl.load(ACC + base + tile), (2, 4, HEAD_D // 16, 16, 8))
+    row_major = tl.reshape(tl.permute(runs, (1, 3, 0, 2, 4)), (TILE,))
     tl.store(DQ + base + tile, row_major.to(DQ.dtype.element_ty))
 
 
 def dq_from_fragments(acc: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """The summed fp32 dQ buffer ([..., S, 128], tiles in fragment order) as row-major ``dtype``."""
+    """The summed fp32 dQ buffer ([..., S, D], tiles in fragment order) as row-major ``dtype``."""
     dq = torch.empty(acc.shape, dtype=dtype, device=acc.device)
-    _attn_dq_from_fragments_kernel[(acc.numel() // 8192,)](acc, dq, num_warps=8)
+    d = acc.shape[-1]
+    _attn_dq_from_fragments_kernel[(acc.numel() // (64 * d),)](acc, dq, HEAD_D=d, num_warps=8)
     return dq
 
 
