@@ -170,8 +170,8 @@ def hopper_sources():
     """(name, source, compile options) of the Gluon forward and backward for each head dim they take
     (causal bf16 and non-causal fp16), and of the two Triton kernels only their path runs: the
     row-stats delta and the dQ cast."""
-    fwd, bwd = configs.HOPPER_FWD, configs.HOPPER_BWD
-    for d in configs.HOPPER_HEAD_DIMS:
+    fwd = configs.HOPPER_FWD
+    for d, bwd in configs.HOPPER_BWD.items():
         for dtype, causal in ((torch.bfloat16, True), (torch.float16, False)):
             tensor = mangle_type(torch.empty(0, dtype=dtype))
             kernels = {

@@ -190,8 +190,8 @@ def test_dq_fragment_order_is_the_accumulators(head_d):
     context = ir.context()
     ir.load_dialects(context)
     builder = gluon_ir.GluonOpBuilder(context)
-    layout = A._dq_layout(head_d, A.HOPPER_BWD.num_warps // 4)
-    regs = builder.to_linear_layout(layout._to_ir(builder), [A.HOPPER_BWD.block_m, head_d])
+    layout = A._dq_layout(head_d, A.HOPPER_BWD[head_d].num_warps // 4)
+    regs = builder.to_linear_layout(layout._to_ir(builder), [A.HOPPER_BWD_ROWS, head_d])
     order = regs.reg_bases[:1] + regs.lane_bases + regs.reg_bases[1:] + regs.warp_bases
     assert A._dq_fragments(head_d).offset_bases == order
 
@@ -219,7 +219,7 @@ def test_dq_from_fragments_puts_tiles_back_in_row_order(head_d):
 @pytest.mark.skipif(not INTERPRETER, reason="interpreter run of the kernels (CPU only)")
 def test_row_stats_for_the_gluon_backward():
     """Given lse, the delta kernel writes each 64-row tile's lse·log2(e) then its delta."""
-    rows = A.HOPPER_BWD.block_m
+    rows = A.HOPPER_BWD_ROWS
     out, dout = (torch.randn(1, 3, 2 * rows, 32) for _ in range(2))
     lse = torch.randn(1, 3, 2 * rows)
     stats = A._delta(out, dout, lse)

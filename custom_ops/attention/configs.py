@@ -1,7 +1,7 @@
 """Launch configs of every attention kernel, and the constants the kernels share.
 
 The Triton kernels take their tiles from the (head dim, dtype) table (``pick_config``); the
-Gluon Hopper kernels have one fixed shape each (``HOPPER_FWD``, ``HOPPER_BWD``). The Triton
+Gluon Hopper kernels have one shape each (``HOPPER_FWD``; ``HOPPER_BWD`` per head dim). The Triton
 delta kernel also writes the Gluon backward's row stats, in tiles of that backward's query
 tile: ``HOPPER_BWD_ROWS`` is the one constant both read.
 """
@@ -69,9 +69,6 @@ def pick_config(head_dim: int, dtype: torch.dtype) -> AttnConfig:
     return CONFIGS[(head_dim, dtype)]
 
 
-# Head dims the Gluon kernels take (on sm_90, 16-bit); others run the Triton kernels.
-HOPPER_HEAD_DIMS = (64, 128)
-
 # The Gluon forward: 128 queries per program in two compute warp groups of 64 (num_warps: per
 # compute warp group), 128-key K/V tiles in a 3-deep ring.
 HOPPER_FWD = Tiles(block_m=128, block_n=128, num_warps=4, num_stages=3)
@@ -81,7 +78,12 @@ HOPPER_FWD_COMPUTE_REGS = 232  # registers per thread set for the worker compute
 # from one buffer that the Triton delta kernel writes in tiles of exactly these rows (``_delta``
 # given lse), so the two kernels must agree on it.
 HOPPER_BWD_ROWS = 64
-HOPPER_BWD = Tiles(block_m=HOPPER_BWD_ROWS, block_n=128, num_warps=8, num_stages=2)
+# The Gluon backward per head dim it takes (on sm_90, 16-bit; others run the Triton kernels): these
+# query rows by 128 keys, 8 warps; the depth of its Q/dO ring as measured on the H200
+# (BENCHMARKS.md): D=128 2 (3 ran 10% slower), D=64 5 (3.32 ms against 3.63 at 2).
+HOPPER_BWD = {d: Tiles(block_m=HOPPER_BWD_ROWS, block_n=128, num_warps=8, num_stages=stages)
+              for d, stages in ((64, 5), (128, 2))}
+HOPPER_HEAD_DIMS = tuple(HOPPER_BWD)
 DQ_FRAGMENT_ROW = 256  # the fp32 dQ buffer seen as rows of 256 for its TMA descriptor (the box's widest)
 
 LOG2E = 1.4426950408889634  # host copy, folded into qk_scale

@@ -39,7 +39,8 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor as GluonTensorDescriptor
 
 from custom_ops.attention.configs import (
-    DQ_FRAGMENT_ROW, HOPPER_BWD, HOPPER_FWD, HOPPER_FWD_COMPUTE_REGS, HOPPER_HEAD_DIMS, LOG2E, _LN2)
+    DQ_FRAGMENT_ROW, HOPPER_BWD, HOPPER_BWD_ROWS, HOPPER_FWD, HOPPER_FWD_COMPUTE_REGS, HOPPER_HEAD_DIMS, LOG2E,
+    _LN2)
 from custom_ops.attention.triton_kernels import _as_4d, _delta, _empty_bwd, _empty_fwd, _no_heads
 
 
@@ -310,9 +311,11 @@ def hopper_kernels_accept(capability: tuple[int, int], head_dim: int, dtype: tor
     """The dispatch rule, apart from the device so CPU tests can check it: an sm_90 GPU exactly (the
     kernels use wgmma, which sm_100 and older GPUs lack), D = 64 or 128, 16-bit, Sq and Sk in whole
     128-row tiles."""
-    tile = math.lcm(HOPPER_FWD.block_m, HOPPER_FWD.block_n, HOPPER_BWD.block_m, HOPPER_BWD.block_n)
-    return (capability == (9, 0) and head_dim in HOPPER_HEAD_DIMS and dtype in (torch.bfloat16, torch.float16)
-            and sq % tile == 0 and sk % tile == 0)
+    if capability != (9, 0) or head_dim not in HOPPER_HEAD_DIMS or dtype not in (torch.bfloat16, torch.float16):
+        return False
+    bwd = HOPPER_BWD[head_dim]
+    tile = math.lcm(HOPPER_FWD.block_m, HOPPER_FWD.block_n, bwd.block_m, bwd.block_n)
+    return sq % tile == 0 and sk % tile == 0
 
 
 _GLUON_DTYPES = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16, torch.float32: gl.float32}
@@ -328,7 +331,7 @@ def _rows_desc(t: torch.Tensor, rows: int) -> GluonTensorDescriptor:
 def _fragments_desc(acc: torch.Tensor) -> GluonTensorDescriptor:
     """The fp32 dQ buffer as unswizzled [N, DQ_FRAGMENT_ROW] rows, one query tile per box."""
     flat = acc.view(-1, DQ_FRAGMENT_ROW)
-    box = [HOPPER_BWD.block_m * acc.shape[-1] // DQ_FRAGMENT_ROW, DQ_FRAGMENT_ROW]
+    box = [HOPPER_BWD_ROWS * acc.shape[-1] // DQ_FRAGMENT_ROW, DQ_FRAGMENT_ROW]
     layout = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=2)
     return GluonTensorDescriptor(flat, list(flat.shape), list(flat.stride()), box, layout)
 
@@ -382,7 +385,7 @@ def hopper_bwd(dout, q, k, v, out, lse, is_causal: bool, scale: float):
     q4, k4, v4, do4 = (_as_4d(t).contiguous() for t in (q, k, v, dout))
     Z, H, SQ, D = q4.shape
     SK = k4.shape[2]
-    t = HOPPER_BWD
+    t = HOPPER_BWD[D]
     stats = _delta(_as_4d(out), do4, lse)
     dq = torch.zeros((Z, H, SQ, D), dtype=torch.float32, device=q.device)  # tiles in fragment order
     dk = torch.empty((Z, H, SK, D), dtype=k.dtype, device=q.device)
