@@ -9,8 +9,8 @@ same metadata return outputs of the same metadata, so the first block's run
 answers for the others, in this trace and the next.
 
 Only what can be compared is reused: static shapes, a block whose attributes
-are numbers, strings, dtypes, tensors (by metadata) or functions (by
-identity), and an output of fresh tensors (no view, nothing sharing storage
+are numbers, strings, dtypes, tensors (by metadata), dataclasses of those (a
+config) or functions (by identity), and an output of fresh tensors (no view, nothing sharing storage
 with an input). Anything else runs the block as before.
 """
 import dataclasses
@@ -49,6 +49,8 @@ def _value_key(v):
         return (dict, tuple((_value_key(k), _value_key(x)) for k, x in v.items()))
     if isinstance(v, _BY_IDENTITY):
         return ("identity", id(v))
+    if dataclasses.is_dataclass(v):  # a config object many blocks hold: by its fields' values
+        return (type(v), tuple((f.name, _value_key(getattr(v, f.name))) for f in dataclasses.fields(v)))
     raise _Unkeyable
 
 

@@ -1,4 +1,6 @@
 """compile_stack.block_fakes: a block's fake output reused for blocks that would give the same one."""
+import dataclasses
+
 import pytest
 import torch
 import torch.nn as nn
@@ -39,6 +41,12 @@ def test_identical_blocks_run_on_fakes_once_in_all_traces(monkeypatch):
     (calls,) = step.block_calls
     assert len(runs) == 1
     assert len(calls.fake_outputs) == 1 and None not in calls.fake_outputs.values()
+
+
+@dataclasses.dataclass
+class Config:
+    d_model: int
+    norm: str
 
 
 class Scaled(nn.Module):
@@ -91,6 +99,12 @@ def test_the_key_tells_what_decides_the_output():
         assert key != call_key(a, (x.half(),), {}, tuple(a.parameters()))
         with torch.no_grad():
             assert key != call_key(a, (x,), {}, tuple(a.parameters()))
+    a.config, b.config = Config(8, "rms"), Config(8, "rms")  # a config object: compared by its fields
+    assert call_key(a, (torch.empty(2, 5, 8),), {}, tuple(a.parameters())) == \
+        call_key(b, (torch.empty(2, 5, 8),), {}, tuple(b.parameters()))
+    b.config = Config(8, "layer")
+    assert call_key(a, (torch.empty(2, 5, 8),), {}, tuple(a.parameters())) != \
+        call_key(b, (torch.empty(2, 5, 8),), {}, tuple(b.parameters()))
     a.helper = object()  # an attribute nothing can compare: no key, the block runs
     assert call_key(a, (torch.empty(2, 5, 8),), {}, tuple(a.parameters())) is None
     shapes = ShapeEnv()
