@@ -2,16 +2,18 @@
 
 While Dynamo traces the step, each block call is one graph node, but Dynamo
 still runs the block's forward on fake tensors to learn its output's metadata:
-34 blocks, and twice per step (Dynamo traces the forward's frame again after
-its graph break at ``loss.backward()``), a third of the frame's tracing time.
-Blocks of one class whose plain attributes, parameters and inputs have the
-same metadata return outputs of the same metadata, so the first block's run
-answers for the others, in this trace and the next.
+34 blocks, twice per step (Dynamo traces the forward's frame again after its
+graph break at ``loss.backward()``), 2.6 s of a 34-block step's warm start on
+the CPU. Blocks of one class whose plain attributes, parameters and inputs
+have the same metadata return outputs of the same metadata, so the first
+block's run answers for the others, in this trace and the next.
 
-Only what can be compared is reused: static shapes, a block whose attributes
+Only what can be compared is reused: static shapes; a block whose attributes
 are numbers, strings, dtypes, tensors (by metadata), dataclasses of those (a
-config) or functions (by identity), and an output of fresh tensors (no view, nothing sharing storage
-with an input). Anything else runs the block as before.
+config) or functions (by identity); an output of fresh tensors (no view,
+nothing sharing storage with an input). Anything else runs the block as
+before. Module-level state a block reads is in no key, as Dynamo guards none
+of it for a block call either.
 """
 import dataclasses
 import types

@@ -118,7 +118,8 @@ class PassBackend:
             partitioner = BudgetedPartitioner(self.ledger, f"{self.name}:{self._report_key(gm).stem}", uses)
         compile_graph = functools.partial(compile_fx if self.codegen else self._compile_without_codegen,
                                           **({} if self.codegen else {"partitioner": partitioner}))
-        with self.active(settings.on_gpu(example_inputs)), backward_now, torch._inductor.config.patch(custom_partitioner_fn=partitioner):
+        with (self.active(settings.on_gpu(example_inputs)), backward_now,
+              torch._inductor.config.patch(custom_partitioner_fn=partitioner)):
             if graph_returns_tuple(gm):
                 compiled = compile_graph(gm, example_inputs)
             else:  # a segment returning one value
