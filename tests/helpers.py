@@ -28,3 +28,18 @@ def dynamo_graph(fn, *args) -> torch.fx.GraphModule:
     torch.compile(fn, backend=grab, fullgraph=True)(*args)
     (gm,) = graphs
     return gm
+
+
+def record_joint_graphs(monkeypatch) -> list:
+    """A list that collects each graph as our joint-stage passes leave it, from now on in this test."""
+    from passes import registry
+
+    graphs, run_stage = [], registry.StagePass.__call__
+
+    def recording(self, graph):
+        run_stage(self, graph)
+        if self.stage == "joint":
+            graphs.append(graph)
+
+    monkeypatch.setattr(registry.StagePass, "__call__", recording)
+    return graphs
