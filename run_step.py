@@ -59,6 +59,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--memory-budget", type=float,
                    help="activation memory budget in [0, 1] for the partitioner: lower saves less and recomputes "
                         "more (default on a GPU: for each graph, the largest whose plan fits the GPU's memory)")
+    p.add_argument("--offload-activations", action="store_true",
+                   help="on one GPU: keep what a larger memory budget would save, beyond the GPU's room, in pinned "
+                        "host memory between forward and backward instead of recomputing it")
     p.add_argument("--check", action="store_true",
                    help="also run the eager reference step from the same weights and data and report relative errors")
     p.add_argument("--inspect", type=Path, metavar="DIR", help="write graphs before/after our passes and Inductor's code to DIR")

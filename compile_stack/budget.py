@@ -24,6 +24,12 @@ The memory left for a graph's saved activations (``MemoryLedger``):
 
 Gradients are not subtracted: they appear as the backward frees saved
 activations, and the larger of the two is what is alive at once.
+
+With activation offload on (``offload.py``), a graph whose fitting plan
+recomputes what a larger budget would save looks for the largest budget whose
+extra saved values fit the ledger's host memory; those travel through the
+host, and the GPU holds what the fitting plan did, or less, plus the
+backward's copies started ahead.
 """
 import hashlib
 import weakref
@@ -34,14 +40,18 @@ import torch
 from torch._functorch.partitioners import min_cut_rematerialization_partition
 from torch._inductor.custom_graph_pass import CustomPartitionerFn
 
-from compile_stack import memory
+from compile_stack import memory, offload
 from compile_stack.settings import LEAST_BUDGET
+from custom_ops.activation_offload.transfers import PREFETCH_BYTES
 from passes.graph_edit import copy_module
 
 # Kernels' scratch beside the saved activations: the fused loss's logits chunk and its head gradient.
 SCRATCH_BYTES = 2 * memory.CE_CHUNK_BYTES
 # Bisection steps below 1.0: the budget is found to 1/64.
 SEARCH_STEPS = 6
+# Host memory an offloading step leaves to everything else in the machine (the process, compile
+# workers, the page cache).
+HOST_RESERVE_BYTES = 16 * 2**30
 
 
 def tensor_bytes(value) -> int:
@@ -74,8 +84,12 @@ class MemoryLedger:
     saved activations, which the blocks' reservation already counts.
     """
 
-    def __init__(self, capacity: float, allocated: Callable[[], int], future_state: Callable[[], int]):
+    def __init__(self, capacity: float, allocated: Callable[[], int], future_state: Callable[[], int],
+                 host_capacity: int = 0, device: torch.device | None = None):
         self.capacity = capacity
+        self.device = device  # where the saved activations live (offload moves those of it)
+        self.host_capacity = host_capacity  # host bytes saved activations may take (0: offload off)
+        self.host_reserved: dict[str, int] = {}
         self._allocated = allocated
         self.resident: int | None = None  # allocated at the step's start, once known
         self.future_state = future_state
@@ -83,12 +97,15 @@ class MemoryLedger:
         self.working = 0  # the largest working set of any graph planned so far
 
     @classmethod
-    def for_device(cls, device: torch.device, optimizers: list) -> "MemoryLedger":
-        """The ledger of a step on ``device``. It holds the optimizers weakly: Dynamo's caches keep
-        our backends, and through them this ledger, alive after the step is gone."""
+    def for_device(cls, device: torch.device, optimizers: list, offload: bool = False) -> "MemoryLedger":
+        """The ledger of a step on ``device``; with ``offload``, saved activations may also take
+        the host's available memory but HOST_RESERVE_BYTES. It holds the optimizers weakly:
+        Dynamo's caches keep our backends, and through them this ledger, alive after the step
+        is gone."""
         refs = [weakref.ref(opt) for opt in optimizers]
+        host = max(0, memory.host_available_bytes() - HOST_RESERVE_BYTES) if offload else 0
         return cls(memory.USABLE_FRACTION * memory.device_bytes(device), lambda: torch.cuda.memory_allocated(device),
-                   lambda: lazy_optimizer_state_bytes([opt for ref in refs if (opt := ref()) is not None]))
+                   lambda: lazy_optimizer_state_bytes([opt for ref in refs if (opt := ref()) is not None]), host, device)
 
     def at_step_start(self) -> None:
         self.resident = self._allocated()
@@ -102,8 +119,13 @@ class MemoryLedger:
         return int(self.capacity - self.allocated() - self.future_state() - others
                    - max(self.working, working) - SCRATCH_BYTES)
 
-    def reserve(self, key: str, saved: int, working: int) -> None:
+    def host_available(self, key: str) -> int:
+        """Host bytes the graph ``key`` may move its saved activations to."""
+        return self.host_capacity - sum(b for k, b in self.host_reserved.items() if k != key)
+
+    def reserve(self, key: str, saved: int, working: int, host: int = 0) -> None:
         self.reserved[key] = saved
+        self.host_reserved[key] = host
         self.working = max(self.working, working)
 
 
@@ -138,6 +160,7 @@ class BudgetedPartitioner(CustomPartitionerFn):
         self.chosen: float | None = None  # the budget of the plan kept
         self.available = 0  # the bytes that plan had to fit
         self.fits = True
+        self.offloaded = 0  # bytes of saved activations moved to host memory (all uses)
 
     def __call__(self, gm: torch.fx.GraphModule, joint_inputs, **kwargs):
         static = kwargs.get("static_lifetime_input_indices") or ()
@@ -161,15 +184,44 @@ class BudgetedPartitioner(CustomPartitionerFn):
                     best, best_budget, lo = trial, mid, mid
                 else:
                     hi = mid
+            if self.fits and self.ledger.host_capacity:
+                offloading = self._offloading_plan(plan, best, best_budget, working, kwargs["num_fwd_outputs"])
+                if offloading is not None:
+                    best, best_budget, working = offloading
         self.chosen = best_budget
-        self.ledger.reserve(self.key, best[1], working)
+        self.ledger.reserve(self.key, best[1], working, self.offloaded)
         return best[0]
+
+    def _offloading_plan(self, plan, fitting, low: float, working: int, user_outputs: int):
+        """The largest budget above ``low`` whose extra saved values (over ``fitting``'s) fit the
+        host, and the rest the GPU, with the backward's copies started ahead in its working set:
+        (its partition edited to offload them, GPU bytes), budget, working set; None if none does."""
+        kept = offload.saved_names(fitting[0][1])
+        working += PREFETCH_BYTES
+        available = self.ledger.available(self.key, working)
+        host_available = self.ledger.host_available(self.key)
+        found = None
+        lo, hi = low, 1.0
+        for _ in range(SEARCH_STEPS):
+            mid = (lo + hi) / 2
+            parts, total = plan(mid)
+            extra = offload.extra_values(*parts, kept, user_outputs, self.ledger.device)
+            host = offload.value_bytes(extra) * self.uses
+            if extra and total - host <= available and host <= host_available:
+                found, lo = (parts, total - host, extra, host, mid), mid
+            else:
+                hi = mid
+        if found is None:
+            return None
+        parts, on_gpu, extra, self.offloaded, budget = found
+        offload.apply(*parts, extra)
+        return (parts, on_gpu), budget, working
 
     def __reduce__(self):
         # Inductor pickles its config into the cache key; this partitioner's part is its identity.
         return (str, (self.uuid(),))
 
     def uuid(self):
-        source = hashlib.sha256(Path(__file__).read_bytes()).hexdigest()
+        source = hashlib.sha256(Path(__file__).read_bytes() + Path(offload.__file__).read_bytes()).hexdigest()
         state = (self.ledger.allocated() + self.ledger.future_state()) >> 30
-        return f"{source}:{self.uses}:{self.ledger.capacity:.0f}:{state}"
+        return f"{source}:{self.uses}:{self.ledger.capacity:.0f}:{state}:{self.ledger.host_capacity >> 30}"

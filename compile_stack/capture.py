@@ -118,8 +118,13 @@ class PassBackend:
             partitioner = BudgetedPartitioner(self.ledger, f"{self.name}:{self._report_key(gm).stem}", uses)
         compile_graph = functools.partial(compile_fx if self.codegen else self._compile_without_codegen,
                                           **({} if self.codegen else {"partitioner": partitioner}))
+        # An offloaded activation is read by a copy on a side stream after its last reader on the
+        # main stream: the caching allocator waits for that copy before reusing its memory, but
+        # Inductor's in-graph reuse of a freed buffer would not.
+        offloading = self.ledger is not None and self.ledger.host_capacity > 0
         with (self.active(settings.on_gpu(example_inputs)), backward_now,
-              torch._inductor.config.patch(custom_partitioner_fn=partitioner)):
+              torch._inductor.config.patch(custom_partitioner_fn=partitioner,
+                                           **({"allow_buffer_reuse": False} if offloading else {}))):
             if graph_returns_tuple(gm):
                 compiled = compile_graph(gm, example_inputs)
             else:  # a segment returning one value
@@ -144,6 +149,8 @@ class PassBackend:
     def _note_budget(self, graph_name: str, partitioner: BudgetedPartitioner, uses: int) -> None:
         saved = partitioner.ledger.reserved[partitioner.key] / 2**30
         where = f"{graph_name} saves {saved:.2f} GiB for its backward" + (f" ({uses} call sites)" if uses > 1 else "")
+        if partitioner.offloaded:
+            where += f" and {partitioner.offloaded / 2**30:.2f} GiB in host memory"
         if partitioner.fits:
             registry.note("memory", f"{where} at activation memory budget {partitioner.chosen:.3g}")
         else:

@@ -55,6 +55,8 @@ class StepOptions:
     blocks: bool = True  # compile repeated blocks once for all of them (blocks.py)
     # Compile each backward with its forward rather than at the first backward().
     backward_now: bool = False
+    # Move what a plan saves beyond the GPU's room to pinned host memory (offload.py).
+    offload_activations: bool = False
 
 
 def backend_factory(options: StepOptions, inspect: bool = True,
@@ -67,15 +69,16 @@ def backend_factory(options: StepOptions, inspect: bool = True,
                              backward_now=options.backward_now, ledger=ledger)
 
 
-def step_ledger(optimizers: list, models: list) -> MemoryLedger | None:
-    """The memory ledger of a step whose parameters live on a GPU; None on a CPU (the
-    partitioner's own default budget applies there)."""
+def step_ledger(optimizers: list, models: list, offload: bool = False) -> MemoryLedger | None:
+    """The memory ledger of a step whose parameters live on a GPU (``offload``: its saved
+    activations may use host memory too); None on a CPU (the partitioner's own default budget
+    applies there)."""
     params = [p for m in models for p in m.parameters()]
     params += [p for opt in optimizers for g in getattr(opt, "param_groups", ()) for p in g["params"]]
     devices = {p.device for p in params if isinstance(p, torch.Tensor)}
     if len(devices) != 1 or next(iter(devices)).type != "cuda":
         return None
-    return MemoryLedger.for_device(next(iter(devices)), optimizers)
+    return MemoryLedger.for_device(next(iter(devices)), optimizers, offload)
 
 
 def is_optimizer(obj) -> bool:
@@ -317,7 +320,8 @@ class CompiledStep:
             settings.use_cache_dir(options.cache_dir)
         optimizers = find_reachable(train_step, is_optimizer)
         models = find_reachable(train_step, lambda obj: isinstance(obj, torch.nn.Module))
-        self.ledger = step_ledger(optimizers, models) if options.memory_budget is None else None
+        self.ledger = (step_ledger(optimizers, models, options.offload_activations)
+                       if options.memory_budget is None else None)
         backend = backend_factory(options, ledger=self.ledger)
         self.backend = backend(name="model", outline_blocks=options.blocks)
         self.optimizer_backend = backend(name="optimizer")
@@ -345,7 +349,7 @@ class CompiledStep:
 
 def compile_step(train_step: Callable, *, passes: list[str] | None = None, memory_budget: float | None = None,
                  inspect_dir: str | Path | None = None, cache_dir: str | Path | None = None,
-                 codegen: bool = True, blocks: bool = True) -> CompiledStep:
+                 codegen: bool = True, blocks: bool = True, offload_activations: bool = False) -> CompiledStep:
     """Compile the user's own train step with our passes; returns a callable that behaves the same.
 
     ``train_step`` is the function as written: zero-grad, forward, loss,
@@ -355,11 +359,17 @@ def compile_step(train_step: Callable, *, passes: list[str] | None = None, memor
     recomputation whose plan fits the device, see ``budget.py``), ``inspect_dir`` (graphs and generated
     code are written there), ``cache_dir`` (compile caches), ``codegen``
     (False: run the rewritten aten graphs without Inductor's code generation),
-    ``blocks`` (False: inline repeated blocks instead of compiling one for all).
+    ``blocks`` (False: inline repeated blocks instead of compiling one for all),
+    ``offload_activations`` (on a GPU without a fixed ``memory_budget``: when the
+    plan that fits the device recomputes values a larger budget would save, keep
+    those in pinned host memory between forward and backward instead, as far as
+    the host has room; see ``offload.py``).
     """
     if memory_budget is not None:
         require(isinstance(memory_budget, (int, float)) and 0.0 <= memory_budget <= 1.0, "memory_budget",
                 "a fraction in [0, 1]", memory_budget)
+    require(not (offload_activations and memory_budget is not None), "offload_activations",
+            "False with a fixed memory_budget (offload extends the plan chosen per graph)", offload_activations)
     options = StepOptions(
         passes=list(passes) if passes is not None else None,
         inspect_dir=Path(inspect_dir) if inspect_dir is not None else None,
@@ -367,5 +377,6 @@ def compile_step(train_step: Callable, *, passes: list[str] | None = None, memor
         cache_dir=Path(cache_dir) if cache_dir is not None else None,
         codegen=codegen,
         blocks=blocks,
+        offload_activations=offload_activations,
     )
     return CompiledStep(train_step, options)

@@ -30,15 +30,15 @@ def dynamo_graph(fn, *args) -> torch.fx.GraphModule:
     return gm
 
 
-def record_joint_graphs(monkeypatch) -> list:
-    """A list that collects each graph as our joint-stage passes leave it, from now on in this test."""
+def record_joint_graphs(monkeypatch, stage: str = "joint") -> list:
+    """A list that collects each graph as our passes of ``stage`` leave it, from now on in this test."""
     from passes import registry
 
     graphs, run_stage = [], registry.StagePass.__call__
 
     def recording(self, graph):
         run_stage(self, graph)
-        if self.stage == "joint":
+        if self.stage == stage:
             graphs.append(graph)
 
     monkeypatch.setattr(registry.StagePass, "__call__", recording)

@@ -61,5 +61,6 @@ def build_step(args, plan, code) -> Built:
         step = code.train_step(model)
         if args.compile:
             step = compile_stack.compile_step(step, passes=passes, inspect_dir=args.inspect, memory_budget=plan.budget,
-                                              blocks=not args.whole_graph)
+                                              blocks=not args.whole_graph,
+                                              offload_activations=args.offload_activations)
     return Built(FirstCallTimer(step), model, batch, eager_twin)

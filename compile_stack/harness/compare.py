@@ -8,6 +8,7 @@ from compile_stack import distributed, memory
 from compile_stack.harness.measure import FirstCallTimer, measure
 from compile_stack.harness.report import log
 from compile_stack.harness.stock import StockStep
+from custom_ops.activation_offload import release_host_memory
 
 
 def compare_stock(args, plan, code, batch, ours: dict) -> dict:
@@ -21,6 +22,7 @@ def compare_stock(args, plan, code, batch, ours: dict) -> dict:
     torch._dynamo.reset()  # compiled code and its guards may still refer to our model
     gc.collect()  # the compiled pieces and their modules refer to each other
     if plan.device.type == "cuda":
+        release_host_memory()  # ours' pinned buffers for offloaded activations
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(plan.device)
         log(f"[stock] memory still allocated after freeing ours: "

@@ -44,6 +44,8 @@ def check_args(args, p: argparse.ArgumentParser) -> None:
         p.error("--inspect: needs --compile (there are no compiled graphs to inspect otherwise)")
     if args.memory_budget is not None and not 0.0 <= args.memory_budget <= 1.0:
         p.error(f"--memory-budget: expected a fraction in [0, 1], got {args.memory_budget}")
+    if args.offload_activations and (not args.compile or args.memory_budget is not None):
+        p.error("--offload-activations: needs --compile and the budget chosen per graph (no --memory-budget)")
     for option in ("model", "loss", "optimizer"):
         spec = getattr(args, option)
         if spec is not None and (spec.count(":") != 1 or not all(spec.split(":"))):

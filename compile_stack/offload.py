@@ -1,0 +1,149 @@
+"""Saved activations moved to host memory: which ones, and the edit of the partitioned graphs.
+
+On one GPU the budget search (budget.py) can find that the plan saving every
+matmul output the backward needs does not fit, and settle on one that
+recomputes some (the full preset's block recomputes its FFN input
+projections: ~0.65 s of matmul a step). With offload on, it then looks at
+plans of larger budgets: what such a plan saves beyond the fitting plan
+(its *extra* values) goes to host memory if the host has room. Each extra
+value is copied out in the forward once its last reader there is done, and
+copied back in the backward before its first use, with the next blocks'
+copies started ahead (custom_ops/activation_offload). What stays on the GPU
+is what the fitting plan kept, or less.
+
+An extra value stays on the GPU (counted as such) if it is small, not
+contiguous, a view, a graph input, one of the forward's own outputs, or
+viewed by anything the forward returns.
+"""
+import torch
+import torch.fx as fx
+
+import custom_ops.activation_offload  # noqa: F401 (registers the ops)
+
+# Smaller values are left on the GPU: a copy's fixed costs would outweigh what they free.
+MIN_BYTES = 16 * 2**20
+OFFLOAD = torch.ops.cstack.offload_to_host.default
+RELOAD = torch.ops.cstack.reload_to_device.default
+
+
+def saved_names(backward: fx.GraphModule) -> set[str]:
+    """Names of the values a partition's forward saves for its backward."""
+    return {n.name for n in backward.graph.find_nodes(op="placeholder") if not n.name.startswith("tangents")}
+
+
+def _is_view(node: fx.Node) -> bool:
+    return isinstance(node.target, torch._ops.OpOverload) and node.target.is_view
+
+
+def _readers(node: fx.Node) -> list[fx.Node] | None:
+    """The nodes that read ``node``'s memory (through views too); None if the graph's output
+    takes a view of it."""
+    readers = []
+    for user in node.users:
+        if _is_view(user):
+            if user.op == "output" or (through := _readers(user)) is None:
+                return None
+            readers += through
+        elif user.op != "output":
+            readers.append(user)
+    return readers
+
+
+def _tensor_results(node: fx.Node) -> list[fx.Node] | None:
+    """Nodes holding ``node``'s tensor results (itself, or the items taken of a tuple); None if it
+    has none."""
+    if isinstance(node.meta.get("val"), torch.Tensor):
+        return [node]
+    items = [u for u in node.users if isinstance(u.meta.get("val"), torch.Tensor)]
+    return items or None
+
+
+def _own_kernel(node: fx.Node) -> bool:
+    """Whether Inductor runs ``node`` as a kernel of its own (a library matmul or a custom op),
+    so its result is in memory anyway: never fused away, free to wait for."""
+    target = node.target
+    return isinstance(target, torch._ops.OpOverload) and (target in MATMULS or target.namespace not in ("aten", "prims"))
+
+
+MATMULS = {torch.ops.aten.mm.default, torch.ops.aten.addmm.default, torch.ops.aten.bmm.default,
+           torch.ops.aten.baddbmm.default}
+
+
+def _order_after(node: fx.Node) -> list[fx.Node] | None:
+    """Tensors whose existence implies every reader of ``node`` ran: the first kernel of its own
+    that depends on all of them, or else the readers' own results (which Inductor then has to
+    keep in memory); None if that cannot be said."""
+    readers = _readers(node)
+    if readers is None:
+        return None
+    reached: dict[fx.Node, frozenset] = {}  # node -> the readers it depends on
+    for later in node.graph.nodes:
+        got = frozenset({later} & set(readers)).union(*(reached.get(i, ()) for i in later.all_input_nodes))
+        if got:
+            reached[later] = got
+        if len(got) == len(readers) and _own_kernel(later) and (results := _tensor_results(later)):
+            return results[:1]
+    after = []
+    for reader in readers:
+        if (results := _tensor_results(reader)) is None:
+            return None
+        after += results
+    return after
+
+
+def extra_values(forward: fx.GraphModule, backward: fx.GraphModule, kept: set[str],
+                 user_outputs: int, device: torch.device) -> list[fx.Node]:
+    """The forward's nodes on ``device`` saved by this partition but not among ``kept``, that can
+    move to host memory (module docstring)."""
+    outputs = forward.graph.find_nodes(op="output")[0].args[0]
+    returned = set(outputs[:user_outputs])
+    saved = saved_names(backward)
+    extra = []
+    for node in outputs[user_outputs:]:
+        val = node.meta.get("val") if isinstance(node, fx.Node) else None
+        if (node.name not in saved or node.name in kept or node in returned or node.op != "call_function"
+                or _is_view(node) or not isinstance(val, torch.Tensor) or val.device != device
+                or not val.is_contiguous() or val.numel() * val.element_size() < MIN_BYTES
+                or _order_after(node) is None):
+            continue
+        extra.append(node)
+    return list(dict.fromkeys(extra))
+
+
+def value_bytes(nodes: list[fx.Node]) -> int:
+    return sum(n.meta["val"].numel() * n.meta["val"].element_size() for n in nodes)
+
+
+def apply(forward: fx.GraphModule, backward: fx.GraphModule, nodes: list[fx.Node]) -> None:
+    """Edit a partition so that ``nodes`` (forward values it saves) travel through host memory."""
+    graph = forward.graph
+    output = graph.find_nodes(op="output")[0]
+    position = {n: i for i, n in enumerate(graph.nodes)}
+    moved: dict[str, torch.Tensor] = {}
+    replacement = {}
+    for node in nodes:
+        after = _order_after(node)
+        val = node.meta["val"]
+        with graph.inserting_after(max(after, key=position.__getitem__, default=node)):
+            host = graph.call_function(OFFLOAD, (node, after))
+        with val.fake_mode:
+            host.meta["val"] = OFFLOAD(val, [a.meta["val"] for a in after])
+        replacement[node] = host
+        moved[node.name] = val
+    output.args = (tuple(replacement.get(n, n) for n in output.args[0]),) + output.args[1:]
+    forward.recompile()
+
+    graph = backward.graph
+    position = {n: i for i, n in enumerate(graph.nodes)}
+    for placeholder in graph.find_nodes(op="placeholder"):
+        val = moved.get(placeholder.name)
+        if val is None or not placeholder.users:
+            continue
+        first = min(placeholder.users, key=position.__getitem__)
+        with val.fake_mode:
+            placeholder.meta["val"] = torch.empty(val.shape, dtype=val.dtype, device="cpu")
+        with graph.inserting_before(first):
+            gpu = graph.call_function(RELOAD, (placeholder, val.device))
+        gpu.meta["val"] = val
+        placeholder.replace_all_uses_with(gpu, delete_user_cb=lambda user: user is not gpu)
+    backward.recompile()

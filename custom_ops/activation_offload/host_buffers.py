@@ -1,0 +1,111 @@
+"""Pinned host buffers for offloaded activations: sized exactly, pinned ahead, reused.
+
+torch's pinned allocator rounds each block up to a power of two (a 1.34 GiB
+activation would take 2 GiB of a host that has no memory to spare), so these
+are plain host allocations registered with CUDA (``cudaHostRegister``), which
+take what they hold. Pinning costs ~0.6 s per GiB on the H200 host (the kernel
+faults in and locks every page), so a buffer taken from the pool starts the
+pinning of spares of its size on a background thread, and a step's later
+offloads find them ready. A buffer is free again when no tensor but the pool's
+own views its memory: a saved activation keeps its buffer until autograd lets
+it go, however long that is.
+"""
+import threading
+from concurrent.futures import Future, ThreadPoolExecutor
+
+import torch
+
+# Spare buffers of a size pinned ahead of demand, once that size has been asked for.
+SPARES = 2
+PIN_THREADS = 4
+
+
+def _views(buffer: torch.Tensor) -> int:
+    """How many tensors hold ``buffer``'s memory (the pool's own included, and the storage
+    object this call makes)."""
+    return torch._C._storage_Use_Count(buffer.untyped_storage()._cdata)
+
+
+# ``_views`` of a buffer only the pool holds.
+_IDLE = _views(torch.empty(1, dtype=torch.uint8))
+
+
+def is_free(buffer: torch.Tensor) -> bool:
+    """Whether only the pool holds ``buffer``."""
+    return _views(buffer) <= _IDLE
+
+
+def _pinned(nbytes: int) -> torch.Tensor:
+    buffer = torch.empty(nbytes, dtype=torch.uint8)
+    torch.cuda.check_error(torch.cuda.cudart().cudaHostRegister(buffer.data_ptr(), nbytes, 0))
+    return buffer
+
+
+class HostBufferPool:
+    """Exact-size pinned host buffers, handed out as uint8 tensors and reused once free."""
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self._buffers: dict[int, list[torch.Tensor]] = {}  # nbytes -> buffers, free or not
+        self._pending: dict[int, list[Future]] = {}  # nbytes -> buffers being pinned
+        self._executor: ThreadPoolExecutor | None = None
+
+    def acquire(self, nbytes: int) -> torch.Tensor:
+        """A pinned uint8 buffer of ``nbytes`` that no other tensor views; pinned now if none is."""
+        with self._lock:
+            buffers = self._buffers.setdefault(nbytes, [])
+            free = next((b for b in buffers if is_free(b)), None)
+            pending = self._pending.setdefault(nbytes, [])
+            ready = free is None and pending and pending[0]
+        if free is None:
+            if ready:  # the oldest spare being pinned: wait for it rather than pin another now
+                free = ready.result()
+                with self._lock:
+                    pending.remove(ready)
+                    buffers.append(free)
+            else:
+                free = self._add(nbytes)
+        self._pin_spares(nbytes, taken=free)
+        return free
+
+    def _add(self, nbytes: int) -> torch.Tensor:
+        buffer = _pinned(nbytes)
+        with self._lock:
+            self._buffers[nbytes].append(buffer)
+        return buffer
+
+    def _pin_spares(self, nbytes: int, taken: torch.Tensor) -> None:
+        """Keep SPARES free buffers of this size, besides the one just ``taken``, pinned or being pinned."""
+        with self._lock:
+            free = sum(is_free(b) for b in self._buffers[nbytes] if b is not taken)
+            missing = SPARES - free - len(self._pending[nbytes])
+            if missing <= 0:
+                return
+            if self._executor is None:
+                self._executor = ThreadPoolExecutor(PIN_THREADS, thread_name_prefix="pin-host")
+            for _ in range(missing):
+                self._pending[nbytes].append(self._executor.submit(_pinned, nbytes))
+
+    def pinned_bytes(self) -> int:
+        """Bytes pinned by the pool (its buffers, free or not)."""
+        with self._lock:
+            return sum(nbytes * len(buffers) for nbytes, buffers in self._buffers.items())
+
+    def release(self) -> None:
+        """Unpin and drop every buffer no tensor views; buffers still viewed stay."""
+        with self._lock:
+            pending = [f for futures in self._pending.values() for f in futures]
+            self._pending.clear()
+        for future in pending:
+            buffer = future.result()
+            with self._lock:
+                self._buffers.setdefault(buffer.numel(), []).append(buffer)
+        with self._lock:
+            for nbytes, buffers in list(self._buffers.items()):
+                kept = []
+                for buffer in buffers:
+                    if is_free(buffer):
+                        torch.cuda.check_error(torch.cuda.cudart().cudaHostUnregister(buffer.data_ptr()))
+                    else:
+                        kept.append(buffer)
+                self._buffers[nbytes] = kept

@@ -1,0 +1,75 @@
+"""``cstack::offload_to_host`` and ``cstack::reload_to_device``: an activation's trip to host
+memory between the forward and the backward.
+
+The activation-offload plan (compile_stack/offload.py) puts them in the
+partitioned graphs: the forward returns the host copy instead of the GPU
+tensor, the backward copies it back before its first use. On CUDA both are
+asynchronous (transfers.py); on the CPU they are copies, so a plan can be
+tested anywhere. Values never change on the way.
+"""
+import torch
+
+from custom_ops.activation_offload.transfers import Transfers
+from custom_ops.checks import check_tensor, require
+
+TRANSFERS = Transfers()
+
+
+def _check_offloadable(x: torch.Tensor) -> None:
+    check_tensor("x", x)
+    require(x.is_contiguous(), "x", "a contiguous tensor", f"strides {tuple(x.stride())} for shape {tuple(x.shape)}")
+
+
+@torch.library.custom_op("cstack::offload_to_host", mutates_args=())
+def offload_to_host(x: torch.Tensor, after: list[torch.Tensor]) -> torch.Tensor:
+    """``x``'s values in host memory (pinned; copied asynchronously from a GPU).
+
+    ``after``: tensors the copy must follow, never read: the outputs of every
+    other reader of ``x``, so no schedule can start the copy before they
+    finish reading it and free its memory before the copy does.
+    """
+    _check_offloadable(x)
+    if x.device.type == "cuda":
+        return TRANSFERS.offload(x)
+    return x.clone()
+
+
+@offload_to_host.register_fake
+def _offload_to_host_fake(x, after):
+    _check_offloadable(x)
+    return torch.empty(x.shape, dtype=x.dtype, device="cpu")
+
+
+@torch.library.custom_op("cstack::reload_to_device", mutates_args=())
+def reload_to_device(x: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """``x`` (in host memory) on ``device``; on a GPU, ready for the current stream's next kernels."""
+    _check_offloadable(x)
+    require(x.device.type == "cpu", "x", "a tensor in host memory", x.device)
+    if device.type == "cuda":
+        return TRANSFERS.reload(x, device)
+    return x.to(device, copy=True)
+
+
+@reload_to_device.register_fake
+def _reload_to_device_fake(x, device):
+    _check_offloadable(x)
+    return torch.empty(x.shape, dtype=x.dtype, device=device)
+
+
+def _save_devices(ctx, inputs, output):
+    ctx.device = inputs[0].device
+    ctx.others = [None] * len(inputs[1]) if isinstance(inputs[1], list) else None
+
+
+def _to_input_device(ctx, grad):
+    """Both ops move values unchanged: the gradient goes back to the input's device."""
+    return grad.to(ctx.device), ctx.others
+
+
+offload_to_host.register_autograd(_to_input_device, setup_context=_save_devices)
+reload_to_device.register_autograd(_to_input_device, setup_context=_save_devices)
+
+
+def release_host_memory() -> None:
+    """Unpin the host buffers no saved activation holds (after a compiled step is dropped)."""
+    TRANSFERS.release()

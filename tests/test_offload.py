@@ -1,0 +1,151 @@
+"""Activation offload: the plan (compile_stack/offload.py, budget.py) and the ops
+(custom_ops/activation_offload).
+
+The plan is tested on the CPU: a ledger stands in for a GPU whose memory does
+not hold the budget-1.0 plan, the ledger's device is the CPU, and the ops copy
+within host memory there, so the edited forward and backward run and give
+eager's gradients. The asynchronous copies, the prefetch and the pinned
+buffers need CUDA (``-m gpu``).
+"""
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.library import opcheck
+
+from compile_stack import budget, offload
+from compile_stack.budget import SCRATCH_BYTES, MemoryLedger
+from compile_stack.capture import PassBackend
+from custom_ops.activation_offload import TRANSFERS, offload_to_host, reload_to_device
+from passes import registry
+from tests.helpers import record_joint_graphs
+
+HAS_CUDA = torch.cuda.is_available()
+CPU = torch.device("cpu")
+
+
+class GatedFeedForward(nn.Module):
+    """A pre-norm SwiGLU feed-forward block, written as a user would."""
+
+    def __init__(self, width=16, hidden=48):
+        super().__init__()
+        self.gate = nn.Linear(width, hidden, bias=False)
+        self.up = nn.Linear(width, hidden, bias=False)
+        self.down = nn.Linear(hidden, width, bias=False)
+
+    def forward(self, x):
+        h = x / x.pow(2).mean(-1, keepdim=True).add(1e-6).sqrt()
+        return x + self.down(F.silu(self.gate(h)) * self.up(h))
+
+
+@pytest.fixture
+def case(monkeypatch):
+    monkeypatch.setattr(offload, "MIN_BYTES", 1)  # the test's activations are small
+    monkeypatch.setattr(budget, "PREFETCH_BYTES", 0)
+    model = nn.Sequential(GatedFeedForward(), GatedFeedForward())
+    x = torch.randn(4, 33, 16, requires_grad=True)
+    model(x).square().sum().backward()
+    expected = [p.grad.clone() for p in model.parameters()]
+    graphs = record_joint_graphs(monkeypatch, stage="post_grad")
+    return model, x, expected, graphs
+
+
+def compile_at(case, capacity: float, host: int) -> tuple[MemoryLedger, list[str]]:
+    """Compile and run the case's step with a ledger of ``capacity`` device and ``host`` host bytes;
+    the ledger and the offload/reload ops its graphs hold."""
+    model, x, expected, graphs = case
+    torch._dynamo.reset()
+    registry.REPORT.clear()
+    graphs.clear()
+    book = MemoryLedger(capacity, allocated=lambda: 0, future_state=lambda: 0, host_capacity=host, device=CPU)
+    model.zero_grad(set_to_none=True)
+    torch.compile(model, backend=PassBackend(passes=[], codegen=False, ledger=book))(x).square().sum().backward()
+    for got, want in zip((p.grad for p in model.parameters()), expected):
+        torch.testing.assert_close(got, want)
+    ops = [n.target.name() for g in graphs for n in g.nodes if n.target in (offload.OFFLOAD, offload.RELOAD)]
+    return book, ops
+
+
+def full_plan_bytes(case) -> int:
+    book, _ = compile_at(case, 1e15, 0)
+    (saved,) = book.reserved.values()
+    return saved
+
+
+def test_a_plan_that_recomputes_moves_the_extra_values_to_the_host(case):
+    full = full_plan_bytes(case)
+    capacity = SCRATCH_BYTES + full + 0.5 * full  # one working set and half the full plan
+    without, ops = compile_at(case, capacity, host=0)
+    assert ops == []
+    book, ops = compile_at(case, capacity, host=10**9)
+    (on_gpu,) = book.reserved.values()
+    (on_host,) = book.host_reserved.values()
+    assert ops.count("cstack::offload_to_host") == ops.count("cstack::reload_to_device") > 0
+    assert 0 < on_host and on_gpu <= max(without.reserved.values())
+    note = next(n for n in registry.REPORT.notes if n.startswith("memory:"))
+    assert "in host memory" in note
+
+
+def test_a_host_without_room_keeps_the_recomputing_plan(case):
+    full = full_plan_bytes(case)
+    book, ops = compile_at(case, SCRATCH_BYTES + 1.5 * full, host=1)
+    assert ops == [] and list(book.host_reserved.values()) == [0]
+
+
+def test_a_plan_that_fits_moves_nothing(case):
+    book, ops = compile_at(case, 1e15, host=10**9)
+    assert ops == [] and list(book.host_reserved.values()) == [0]
+
+
+def test_the_ops_pass_opcheck_and_move_values_unchanged():
+    x = torch.randn(5, 7, requires_grad=True)
+    opcheck(torch.ops.cstack.offload_to_host.default, (x, [torch.randn(3)]))
+    opcheck(torch.ops.cstack.reload_to_device.default, (x, CPU))
+    host = offload_to_host(x.detach(), [])
+    assert host.device == CPU and torch.equal(host, x) and host.data_ptr() != x.data_ptr()
+    assert torch.equal(reload_to_device(host, CPU), x)
+
+
+def test_bad_input_names_the_argument():
+    with pytest.raises(ValueError, match="x: expected a contiguous tensor"):
+        offload_to_host(torch.randn(4, 6).t(), [])
+    with pytest.raises(ValueError, match="x: expected a contiguous tensor"):
+        reload_to_device(torch.randn(4, 6).t(), CPU)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_CUDA, reason="needs CUDA")
+def test_gpu_round_trips_in_reverse_order_with_copies_started_ahead(monkeypatch):
+    """Offloads as a forward makes them, the main stream overwriting each source right after;
+    reloads in reverse (the prefetch's order) and then out of order; every value comes back."""
+    from custom_ops.activation_offload import transfers
+
+    monkeypatch.setattr(transfers, "PREFETCH_BYTES", 3 * 2**20)  # two activations ahead
+    device = torch.device("cuda")
+    sources = [torch.randn(1024, 777 + i, device=device) for i in range(6)]
+    expected = [s.cpu() for s in sources]
+    hosts = []
+    for source in sources:
+        hosts.append(offload_to_host(source, []))
+        source.mul_(-1.0)  # queued after the copy on the main stream: the copy must see the old values
+    for i in (5, 4, 3, 0, 2, 1):
+        torch.testing.assert_close(reload_to_device(hosts[i], device).cpu(), expected[i], rtol=0, atol=0)
+    assert all(h.is_pinned() for h in hosts)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_CUDA, reason="needs CUDA")
+def test_gpu_host_buffers_are_exact_and_reused_once_free():
+    TRANSFERS.release()
+    x = torch.randn(1000, 1001, device="cuda")
+    first = offload_to_host(x, [])
+    address = first.data_ptr()
+    second = offload_to_host(x, [])
+    assert second.data_ptr() != address  # the first is still held
+    del first
+    torch.cuda.synchronize()
+    third = offload_to_host(x, [])
+    assert third.data_ptr() == address and third.untyped_storage().nbytes() == x.numel() * 4
+    del second, third
+    TRANSFERS.release()
+    assert TRANSFERS.pool.pinned_bytes() == 0
