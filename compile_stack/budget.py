@@ -27,9 +27,9 @@ activations, and the larger of the two is what is alive at once.
 
 With activation offload on (``offload.py``), a graph whose fitting plan
 recomputes what a larger budget would save looks for the largest budget whose
-extra saved values fit the ledger's host memory; those travel through the
-host, and the GPU holds what the fitting plan did, or less, plus the
-backward's copies started ahead.
+plan fits once some of its extra saved values (largest first, only as many as
+needed) travel through the host instead, within the ledger's host memory; the
+backward's copies started ahead count in its working set.
 """
 import hashlib
 import weakref
@@ -193,9 +193,10 @@ class BudgetedPartitioner(CustomPartitionerFn):
         return best[0]
 
     def _offloading_plan(self, plan, fitting, low: float, working: int, user_outputs: int):
-        """The largest budget above ``low`` whose extra saved values (over ``fitting``'s) fit the
-        host, and the rest the GPU, with the backward's copies started ahead in its working set:
-        (its partition edited to offload them, GPU bytes), budget, working set; None if none does."""
+        """The largest budget above ``low`` whose plan fits once enough of its extra saved values
+        (over ``fitting``'s), largest first, are moved to the host, and those fit the host; the
+        backward's copies started ahead count in the working set. Returns (its partition edited
+        to offload them, GPU bytes), budget, working set; None if no larger budget fits."""
         kept = offload.saved_names(fitting[0][1])
         working += PREFETCH_BYTES
         available = self.ledger.available(self.key, working)
@@ -204,17 +205,23 @@ class BudgetedPartitioner(CustomPartitionerFn):
         lo, hi = low, 1.0
         for _ in range(SEARCH_STEPS):
             mid = (lo + hi) / 2
-            parts, total = plan(mid)
-            extra = offload.extra_values(*parts, kept, user_outputs, self.ledger.device)
-            host = offload.value_bytes(extra) * self.uses
-            if extra and total - host <= available and host <= host_available:
-                found, lo = (parts, total - host, extra, host, mid), mid
+            parts, on_gpu = plan(mid)
+            moved = []
+            for value in sorted(offload.extra_values(*parts, kept, user_outputs, self.ledger.device),
+                                key=lambda n: -offload.value_bytes([n])):
+                if on_gpu <= available:
+                    break
+                moved.append(value)
+                on_gpu -= offload.value_bytes([value]) * self.uses
+            host = offload.value_bytes(moved) * self.uses
+            if moved and on_gpu <= available and host <= host_available:
+                found, lo = (parts, on_gpu, moved, host, mid), mid
             else:
                 hi = mid
         if found is None:
             return None
-        parts, on_gpu, extra, self.offloaded, budget = found
-        offload.apply(*parts, extra)
+        parts, on_gpu, moved, self.offloaded, budget = found
+        offload.apply(*parts, moved)
         return (parts, on_gpu), budget, working
 
     def __reduce__(self):
