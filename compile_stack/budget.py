@@ -26,10 +26,10 @@ Gradients are not subtracted: they appear as the backward frees saved
 activations, and the larger of the two is what is alive at once.
 
 With activation offload on (``offload.py``), a graph whose fitting plan
-recomputes what a larger budget would save looks for the largest budget whose
-plan fits once some of its extra saved values (largest first, only as many as
-needed) travel through the host instead, within the ledger's host memory; the
-backward's copies started ahead count in its working set.
+recomputes matmuls compares the plans of larger budgets: each fits once
+enough of its saved values travel through the host instead, within the
+ledger's host memory, and the one recomputing the fewest matmul FLOPs is
+kept; the backward's copies started ahead count in its working set.
 """
 import hashlib
 import weakref
@@ -42,13 +42,14 @@ from torch._inductor.custom_graph_pass import CustomPartitionerFn
 
 from compile_stack import memory, offload
 from compile_stack.settings import LEAST_BUDGET
-from custom_ops.activation_offload.transfers import PREFETCH_BYTES
 from passes.graph_edit import copy_module
 
 # Kernels' scratch beside the saved activations: the fused loss's logits chunk and its head gradient.
 SCRATCH_BYTES = 2 * memory.CE_CHUNK_BYTES
 # Bisection steps below 1.0: the budget is found to 1/64.
 SEARCH_STEPS = 6
+# The budgets whose plans an offloading graph compares (budget.py's search picks the fitting one).
+OFFLOAD_BUDGETS = tuple(b / 20 for b in range(20, 0, -1))
 # Host memory an offloading step leaves to everything else in the machine (the process, compile
 # workers, the page cache).
 HOST_RESERVE_BYTES = 16 * 2**30
@@ -193,34 +194,35 @@ class BudgetedPartitioner(CustomPartitionerFn):
         return best[0]
 
     def _offloading_plan(self, plan, fitting, low: float, working: int, user_outputs: int):
-        """The largest budget above ``low`` whose plan fits once enough of its extra saved values
-        (over ``fitting``'s), largest first, are moved to the host, and those fit the host; the
-        backward's copies started ahead count in the working set. Returns (its partition edited
-        to offload them, GPU bytes), budget, working set; None if no larger budget fits."""
+        """Among the plans of budgets OFFLOAD_BUDGETS above ``low``, the one whose backward
+        recomputes the fewest matmul FLOPs once enough of its saved values move to the host for
+        the rest to fit the GPU: values the ``fitting`` plan recomputes first, then the others,
+        largest first, within the host's room. The GPU also holds one call's moved values copied
+        back ahead. Returns (its partition edited to offload them, GPU bytes), budget, working
+        set; None if no plan recomputes less than ``fitting``."""
         kept = offload.saved_names(fitting[0][1])
-        working += PREFETCH_BYTES
-        available = self.ledger.available(self.key, working)
         host_available = self.ledger.host_available(self.key)
-        found = None
-        lo, hi = low, 1.0
-        for _ in range(SEARCH_STEPS):
-            mid = (lo + hi) / 2
-            parts, on_gpu = plan(mid)
+        best_flops, found = offload.matmul_flops(fitting[0][1]), None
+        for budget in (b for b in OFFLOAD_BUDGETS if b > low):
+            parts, on_gpu = plan(budget)
+            flops = offload.matmul_flops(parts[1])
+            if flops >= best_flops:
+                continue
+            movable = offload.movable_values(*parts, user_outputs, self.ledger.device)
             moved = []
-            for value in sorted(offload.extra_values(*parts, kept, user_outputs, self.ledger.device),
-                                key=lambda n: -offload.value_bytes([n])):
-                if on_gpu <= available:
+            for value in sorted(movable, key=lambda n: (n.name in kept, -offload.value_bytes([n]))):
+                ahead = offload.value_bytes(moved) if moved else 0
+                if on_gpu <= self.ledger.available(self.key, working + ahead):
                     break
                 moved.append(value)
                 on_gpu -= offload.value_bytes([value]) * self.uses
-            host = offload.value_bytes(moved) * self.uses
-            if moved and on_gpu <= available and host <= host_available:
-                found, lo = (parts, on_gpu, moved, host, mid), mid
-            else:
-                hi = mid
+            ahead = offload.value_bytes(moved)
+            host = ahead * self.uses
+            if moved and on_gpu <= self.ledger.available(self.key, working + ahead) and host <= host_available:
+                best_flops, found = flops, (parts, on_gpu, moved, host, budget, working + ahead)
         if found is None:
             return None
-        parts, on_gpu, moved, self.offloaded, budget = found
+        parts, on_gpu, moved, self.offloaded, budget, working = found
         offload.apply(*parts, moved)
         return (parts, on_gpu), budget, working
 

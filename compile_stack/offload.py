@@ -1,17 +1,16 @@
-"""Saved activations moved to host memory: which ones, and the edit of the partitioned graphs.
+"""Saved activations moved to host memory: which ones can, and the edit of the partitioned graphs.
 
 On one GPU the budget search (budget.py) can find that the plan saving every
 matmul output the backward needs does not fit, and settle on one that
-recomputes some (the full preset's block recomputes its FFN input
-projections: ~0.65 s of matmul a step). With offload on, it then looks at
-plans of larger budgets: what such a plan saves beyond the fitting plan
-(its *extra* values) goes to host memory if the host has room. Each extra
-value is copied out in the forward once its last reader there is done, and
-copied back in the backward before its first use, with the next blocks'
-copies started ahead (custom_ops/activation_offload). What stays on the GPU
-is what the fitting plan kept, or less.
+recomputes some (the full preset's block recomputes its V, O and FFN input
+projections: ~0.75 s of matmul a step). With offload on, budget.py compares
+plans of larger budgets, each with enough of its saved values moved to host
+memory for the rest to fit the GPU, and keeps the one recomputing the fewest
+matmul FLOPs. A moved value is copied out in the forward once its last
+reader there is done, and copied back in the backward before its first use,
+the next ones' copies started ahead (custom_ops/activation_offload).
 
-An extra value stays on the GPU (counted as such) if it is small, not
+A saved value stays on the GPU (counted as such) if it is small, not
 contiguous, a view, a graph input, one of the forward's own outputs, or
 viewed by anything the forward returns.
 """
@@ -40,6 +39,8 @@ def _readers(node: fx.Node) -> list[fx.Node] | None:
     takes a view of it."""
     readers = []
     for user in node.users:
+        if user.target is OFFLOAD and user.args[0] is not node:
+            continue  # another value's copy, ordered after this one: it never reads it
         if _is_view(user):
             if user.op == "output" or (through := _readers(user)) is None:
                 return None
@@ -62,7 +63,8 @@ def _own_kernel(node: fx.Node) -> bool:
     """Whether Inductor runs ``node`` as a kernel of its own (a library matmul or a custom op),
     so its result is in memory anyway: never fused away, free to wait for."""
     target = node.target
-    return isinstance(target, torch._ops.OpOverload) and (target in MATMULS or target.namespace not in ("aten", "prims"))
+    return (isinstance(target, torch._ops.OpOverload) and target is not OFFLOAD
+            and (target in MATMULS or target.namespace not in ("aten", "prims")))
 
 
 MATMULS = {torch.ops.aten.mm.default, torch.ops.aten.addmm.default, torch.ops.aten.bmm.default,
@@ -91,31 +93,43 @@ def _order_after(node: fx.Node) -> list[fx.Node] | None:
     return after
 
 
-def extra_values(forward: fx.GraphModule, backward: fx.GraphModule, kept: set[str],
-                 user_outputs: int, device: torch.device) -> list[fx.Node]:
-    """The forward's nodes on ``device`` saved by this partition but not among ``kept``, that can
-    move to host memory (module docstring)."""
+def movable_values(forward: fx.GraphModule, backward: fx.GraphModule, user_outputs: int,
+                   device: torch.device) -> list[fx.Node]:
+    """The values on ``device`` this partition saves that can move to host memory (module
+    docstring)."""
     outputs = forward.graph.find_nodes(op="output")[0].args[0]
     returned = set(outputs[:user_outputs])
     saved = saved_names(backward)
-    extra = []
+    movable = []
     for node in outputs[user_outputs:]:
         val = node.meta.get("val") if isinstance(node, fx.Node) else None
-        if (node.name not in saved or node.name in kept or node in returned or node.op != "call_function"
-                or _is_view(node) or not isinstance(val, torch.Tensor) or val.device != device
-                or not val.is_contiguous() or val.numel() * val.element_size() < MIN_BYTES
-                or _order_after(node) is None):
-            continue
-        extra.append(node)
-    return list(dict.fromkeys(extra))
+        if (node.name in saved and node not in returned and node.op == "call_function" and not _is_view(node)
+                and isinstance(val, torch.Tensor) and val.device == device and val.is_contiguous()
+                and val.numel() * val.element_size() >= MIN_BYTES and _order_after(node) is not None):
+            movable.append(node)
+    return list(dict.fromkeys(movable))
 
 
 def value_bytes(nodes: list[fx.Node]) -> int:
     return sum(n.meta["val"].numel() * n.meta["val"].element_size() for n in nodes)
 
 
+def matmul_flops(graph: fx.GraphModule) -> int:
+    """FLOPs of a graph's matmuls (by their example sizes): what a plan's backward recomputes
+    shows here, the backward's own matmuls being the same in every plan."""
+    flops = 0
+    for node in graph.graph.nodes:
+        if node.target in MATMULS:
+            out = node.meta["val"]
+            inner = node.args[-1].meta["val"].shape[-2]
+            flops += 2 * out.numel() * int(inner)
+    return flops
+
+
 def apply(forward: fx.GraphModule, backward: fx.GraphModule, nodes: list[fx.Node]) -> None:
-    """Edit a partition so that ``nodes`` (forward values it saves) travel through host memory."""
+    """Edit a partition so that ``nodes`` (forward values it saves) travel through host memory;
+    each reload keeps one call's worth of them copying ahead."""
+    ahead = value_bytes(nodes)
     graph = forward.graph
     output = graph.find_nodes(op="output")[0]
     position = {n: i for i, n in enumerate(graph.nodes)}
@@ -143,7 +157,7 @@ def apply(forward: fx.GraphModule, backward: fx.GraphModule, nodes: list[fx.Node
         with val.fake_mode:
             placeholder.meta["val"] = torch.empty(val.shape, dtype=val.dtype, device="cpu")
         with graph.inserting_before(first):
-            gpu = graph.call_function(RELOAD, (placeholder, val.device))
+            gpu = graph.call_function(RELOAD, (placeholder, val.device, ahead))
         gpu.meta["val"] = val
         placeholder.replace_all_uses_with(gpu, delete_user_cb=lambda user: user is not gpu)
     backward.recompile()

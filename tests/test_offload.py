@@ -13,7 +13,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.library import opcheck
 
-from compile_stack import budget, offload
+from compile_stack import offload
 from compile_stack.budget import SCRATCH_BYTES, MemoryLedger
 from compile_stack.capture import PassBackend
 from custom_ops.activation_offload import TRANSFERS, offload_to_host, reload_to_device
@@ -41,7 +41,6 @@ class GatedFeedForward(nn.Module):
 @pytest.fixture
 def case(monkeypatch):
     monkeypatch.setattr(offload, "MIN_BYTES", 1)  # the test's activations are small
-    monkeypatch.setattr(budget, "PREFETCH_BYTES", 0)
     model = nn.Sequential(GatedFeedForward(), GatedFeedForward())
     x = torch.randn(4, 33, 16, requires_grad=True)
     model(x).square().sum().backward()
@@ -50,16 +49,19 @@ def case(monkeypatch):
     return model, x, expected, graphs
 
 
+USES = 8  # the graph counts as serving this many call sites (a model's blocks)
+
+
 def compile_at(case, capacity: float, host: int) -> tuple[MemoryLedger, list[str]]:
-    """Compile and run the case's step with a ledger of ``capacity`` device and ``host`` host bytes;
-    the ledger and the offload/reload ops its graphs hold."""
+    """Compile and run the case's step with a ledger of ``capacity`` device and ``host`` host bytes,
+    its graph counted USES times; the ledger and the offload/reload ops its graphs hold."""
     model, x, expected, graphs = case
     torch._dynamo.reset()
     registry.REPORT.clear()
     graphs.clear()
     book = MemoryLedger(capacity, allocated=lambda: 0, future_state=lambda: 0, host_capacity=host, device=CPU)
     model.zero_grad(set_to_none=True)
-    torch.compile(model, backend=PassBackend(passes=[], codegen=False, ledger=book))(x).square().sum().backward()
+    torch.compile(model, backend=PassBackend(passes=[], codegen=False, ledger=book, uses=USES))(x).square().sum().backward()
     for got, want in zip((p.grad for p in model.parameters()), expected):
         torch.testing.assert_close(got, want)
     ops = [n.target.name() for g in graphs for n in g.nodes if n.target in (offload.OFFLOAD, offload.RELOAD)]
@@ -74,7 +76,7 @@ def full_plan_bytes(case) -> int:
 
 def test_a_plan_that_recomputes_moves_the_extra_values_to_the_host(case):
     full = full_plan_bytes(case)
-    capacity = SCRATCH_BYTES + full + 0.5 * full  # one working set and half the full plan
+    capacity = SCRATCH_BYTES + full / USES + 0.5 * full  # one call's working set and half the full plan
     without, ops = compile_at(case, capacity, host=0)
     assert ops == []
     book, ops = compile_at(case, capacity, host=10**9)
@@ -88,7 +90,7 @@ def test_a_plan_that_recomputes_moves_the_extra_values_to_the_host(case):
 
 def test_a_host_without_room_keeps_the_recomputing_plan(case):
     full = full_plan_bytes(case)
-    book, ops = compile_at(case, SCRATCH_BYTES + 1.5 * full, host=1)
+    book, ops = compile_at(case, SCRATCH_BYTES + full / USES + 0.5 * full, host=1)
     assert ops == [] and list(book.host_reserved.values()) == [0]
 
 
@@ -100,7 +102,7 @@ def test_a_plan_that_fits_moves_nothing(case):
 def test_the_ops_pass_opcheck_and_move_values_unchanged():
     x = torch.randn(5, 7, requires_grad=True)
     opcheck(torch.ops.cstack.offload_to_host.default, (x, [torch.randn(3)]))
-    opcheck(torch.ops.cstack.reload_to_device.default, (x, CPU))
+    opcheck(torch.ops.cstack.reload_to_device.default, (x, CPU, 2**20))
     host = offload_to_host(x.detach(), [])
     assert host.device == CPU and torch.equal(host, x) and host.data_ptr() != x.data_ptr()
     assert torch.equal(reload_to_device(host, CPU), x)
@@ -115,12 +117,10 @@ def test_bad_input_names_the_argument():
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not HAS_CUDA, reason="needs CUDA")
-def test_gpu_round_trips_in_reverse_order_with_copies_started_ahead(monkeypatch):
+def test_gpu_round_trips_in_reverse_order_with_copies_started_ahead():
     """Offloads as a forward makes them, the main stream overwriting each source right after;
-    reloads in reverse (the prefetch's order) and then out of order; every value comes back."""
-    from custom_ops.activation_offload import transfers
-
-    monkeypatch.setattr(transfers, "PREFETCH_BYTES", 3 * 2**20)  # two activations ahead
+    reloads in reverse (the prefetch's order, two activations ahead) and then out of order;
+    every value comes back."""
     device = torch.device("cuda")
     sources = [torch.randn(1024, 777 + i, device=device) for i in range(6)]
     expected = [s.cpu() for s in sources]
@@ -129,7 +129,7 @@ def test_gpu_round_trips_in_reverse_order_with_copies_started_ahead(monkeypatch)
         hosts.append(offload_to_host(source, []))
         source.mul_(-1.0)  # queued after the copy on the main stream: the copy must see the old values
     for i in (5, 4, 3, 0, 2, 1):
-        torch.testing.assert_close(reload_to_device(hosts[i], device).cpu(), expected[i], rtol=0, atol=0)
+        torch.testing.assert_close(reload_to_device(hosts[i], device, 7 * 2**20).cpu(), expected[i], rtol=0, atol=0)
     assert all(h.is_pinned() for h in hosts)
 
 

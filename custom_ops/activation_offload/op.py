@@ -41,17 +41,22 @@ def _offload_to_host_fake(x, after):
 
 
 @torch.library.custom_op("cstack::reload_to_device", mutates_args=())
-def reload_to_device(x: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """``x`` (in host memory) on ``device``; on a GPU, ready for the current stream's next kernels."""
+def reload_to_device(x: torch.Tensor, device: torch.device, ahead: int = 0) -> torch.Tensor:
+    """``x`` (in host memory) on ``device``; on a GPU, ready for the current stream's next kernels.
+
+    ``ahead``: bytes of the activations offloaded before ``x`` whose copies back to start now,
+    latest first (the backward asks for them next).
+    """
     _check_offloadable(x)
     require(x.device.type == "cpu", "x", "a tensor in host memory", x.device)
+    require(ahead >= 0, "ahead", "a byte count >= 0", ahead)
     if device.type == "cuda":
-        return TRANSFERS.reload(x, device)
+        return TRANSFERS.reload(x, device, ahead)
     return x.to(device, copy=True)
 
 
 @reload_to_device.register_fake
-def _reload_to_device_fake(x, device):
+def _reload_to_device_fake(x, device, ahead=0):
     _check_offloadable(x)
     return torch.empty(x.shape, dtype=x.dtype, device=device)
 
@@ -59,11 +64,12 @@ def _reload_to_device_fake(x, device):
 def _save_devices(ctx, inputs, output):
     ctx.device = inputs[0].device
     ctx.others = [None] * len(inputs[1]) if isinstance(inputs[1], list) else None
+    ctx.count = len(inputs)
 
 
 def _to_input_device(ctx, grad):
     """Both ops move values unchanged: the gradient goes back to the input's device."""
-    return grad.to(ctx.device), ctx.others
+    return (grad.to(ctx.device), ctx.others) + (None,) * (ctx.count - 2)
 
 
 offload_to_host.register_autograd(_to_input_device, setup_context=_save_devices)

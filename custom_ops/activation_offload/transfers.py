@@ -8,8 +8,9 @@ read it. Nothing in the forward waits for the copy.
 
 The backward asks for activations in the reverse of the order the forward
 offloaded them. Each reload also starts the copies back of the activations
-offloaded most recently and not yet asked for, up to ``PREFETCH_BYTES``
-ahead, so one block's activations travel while the block after it runs its
+offloaded most recently and not yet asked for, up to the bytes the graph
+asks to have ahead (one call's offloads: the plan counts them in its memory),
+so one block's activations travel while the block after it runs its
 backward; the main stream waits only for the copy it asks for. Copies out and
 in share the one transfer stream, so a host buffer is never refilled before
 its copy back has read it.
@@ -19,11 +20,6 @@ import dataclasses
 import torch
 
 from custom_ops.activation_offload.host_buffers import HostBufferPool, is_free
-
-# GPU memory the backward's copies started ahead may hold (one full block's offloads: two
-# 1.34 GiB activations for the full preset's block).
-PREFETCH_BYTES = 3 * 2**30
-
 
 @dataclasses.dataclass
 class Offloaded:
@@ -72,11 +68,12 @@ class Transfers:
         self._offloaded.append(entry)
         return host
 
-    def reload(self, host: torch.Tensor, device: torch.device) -> torch.Tensor:
-        """``host`` on ``device``, ready for the main stream's next kernels."""
+    def reload(self, host: torch.Tensor, device: torch.device, ahead: int) -> torch.Tensor:
+        """``host`` on ``device``, ready for the main stream's next kernels; the copies back of the
+        next ``ahead`` bytes started."""
         copy = self._ahead.pop(host.data_ptr(), None) or self._copy_back(host, device)
         self._offloaded = [e for e in self._offloaded if e.buffer.data_ptr() != host.data_ptr()]
-        self._start_ahead(device)
+        self._start_ahead(device, ahead)
         torch.cuda.current_stream(device).wait_event(copy.done)
         return copy.tensor
 
@@ -91,12 +88,12 @@ class Transfers:
         tensor.record_stream(stream)  # dropped unused, its memory waits for the copy
         return CopyBack(tensor, done)
 
-    def _start_ahead(self, device: torch.device) -> None:
-        """Start the copies back of the latest offloads up to PREFETCH_BYTES ahead; an offload
-        whose tensor was let go without a reload is dropped."""
+    def _start_ahead(self, device: torch.device, limit: int) -> None:
+        """Start the copies back of the latest offloads until ``limit`` bytes are on their way; an
+        offload whose tensor was let go without a reload is dropped."""
         ahead = sum(c.tensor.numel() * c.tensor.element_size() for c in self._ahead.values())
         for entry in reversed(list(self._offloaded)):
-            if ahead >= PREFETCH_BYTES:
+            if ahead + entry.buffer.numel() > limit:
                 break
             address = entry.buffer.data_ptr()
             if is_free(entry.buffer):
