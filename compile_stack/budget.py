@@ -50,9 +50,10 @@ SCRATCH_BYTES = 2 * memory.CE_CHUNK_BYTES
 SEARCH_STEPS = 6
 # The budgets whose plans an offloading graph compares (budget.py's search picks the fitting one).
 OFFLOAD_BUDGETS = tuple(b / 20 for b in range(20, 0, -1))
-# Host memory an offloading step leaves to everything else in the machine (the process, compile
-# workers, the page cache).
-HOST_RESERVE_BYTES = 16 * 2**30
+# The share of the host's memory an offloading step may pin: the rest is the process's, its
+# compile workers' and the machine's. Of the physical memory, not of what is free now, so the
+# plan (and the compile caches keyed by it) is the same from run to run.
+HOST_FRACTION = 0.75
 
 
 def tensor_bytes(value) -> int:
@@ -100,11 +101,11 @@ class MemoryLedger:
     @classmethod
     def for_device(cls, device: torch.device, optimizers: list, offload: bool = False) -> "MemoryLedger":
         """The ledger of a step on ``device``; with ``offload``, saved activations may also take
-        the host's available memory but HOST_RESERVE_BYTES. It holds the optimizers weakly:
+        HOST_FRACTION of the host's memory. It holds the optimizers weakly:
         Dynamo's caches keep our backends, and through them this ledger, alive after the step
         is gone."""
         refs = [weakref.ref(opt) for opt in optimizers]
-        host = max(0, memory.host_available_bytes() - HOST_RESERVE_BYTES) if offload else 0
+        host = int(HOST_FRACTION * memory.device_bytes(torch.device("cpu"))) if offload else 0
         return cls(memory.USABLE_FRACTION * memory.device_bytes(device), lambda: torch.cuda.memory_allocated(device),
                    lambda: lazy_optimizer_state_bytes([opt for ref in refs if (opt := ref()) is not None]), host, device)
 
