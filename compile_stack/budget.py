@@ -234,4 +234,4 @@ class BudgetedPartitioner(CustomPartitionerFn):
     def uuid(self):
         source = hashlib.sha256(Path(__file__).read_bytes() + Path(offload.__file__).read_bytes()).hexdigest()
         state = (self.ledger.allocated() + self.ledger.future_state()) >> 30
-        return f"{source}:{self.uses}:{self.ledger.capacity:.0f}:{state}:{self.ledger.host_capacity >> 30}"
+        return f"{source}:{self.uses}:{self.ledger.capacity:.0f}:{state}:{self.ledger.host_capacity}"
