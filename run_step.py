@@ -111,7 +111,7 @@ def record(s: dict, args) -> None:
     over = ", ".join(f"{n} {getattr(args, n)}" for n in OVERRIDES if getattr(args, n) is not None)
     code = ", ".join(filter(None, (args.model, args.loss, args.optimizer))) or "reference model"
     figure = (f"{s['preset']} step{f' ({over})' if over else ''}, {world} × {s['device_name']}"
-              f"{', FSDP2' if world > 1 else ''}, {code}")
+              f"{', FSDP2' if world > 1 else ''}, {code}{', activation offload' if args.offload_activations else ''}")
     ours = (f"{s['step_ms']:,.1f} ms, MFU {s['mfu']:.3f}, peak {s['peak_mem_gib']:.2f} GiB"
             f"{'/rank' if world > 1 else ''}, first step {s['compile_s']:.1f} s")
     c = s.get("compare")

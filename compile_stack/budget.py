@@ -48,7 +48,7 @@ from passes.graph_edit import copy_module
 SCRATCH_BYTES = 2 * memory.CE_CHUNK_BYTES
 # Bisection steps below 1.0: the budget is found to 1/64.
 SEARCH_STEPS = 6
-# The budgets whose plans an offloading graph compares (budget.py's search picks the fitting one).
+# The budgets whose plans an offloading graph compares with its fitting plan (above its budget).
 OFFLOAD_BUDGETS = tuple(b / 20 for b in range(20, 0, -1))
 # The share of the host's memory an offloading step may pin: the rest is the process's, its
 # compile workers' and the machine's. Of the physical memory, not of what is free now, so the
@@ -197,35 +197,38 @@ class BudgetedPartitioner(CustomPartitionerFn):
     def _offloading_plan(self, plan, fitting, low: float, working: int, user_outputs: int):
         """Among the plans of budgets OFFLOAD_BUDGETS above ``low``, the one whose backward
         recomputes the fewest matmul FLOPs once enough of its saved values move to the host for
-        the rest to fit the GPU: values the ``fitting`` plan recomputes first, then the others,
-        largest first, within the host's room. The GPU also holds one call's moved values copied
-        back ahead. Returns (its partition edited to offload them, GPU bytes), budget, working
-        set; None if no plan recomputes less than ``fitting``."""
+        the rest to fit the GPU (``_moved_to_fit``), within the host's room. Returns (its
+        partition edited to offload them, GPU bytes), budget, working set; None if no plan
+        recomputes less than ``fitting``."""
         kept = offload.saved_names(fitting[0][1])
-        host_available = self.ledger.host_available(self.key)
         best_flops, found = offload.matmul_flops(fitting[0][1]), None
         for budget in (b for b in OFFLOAD_BUDGETS if b > low):
             parts, on_gpu = plan(budget)
             flops = offload.matmul_flops(parts[1])
-            if flops >= best_flops:
-                continue
-            movable = offload.movable_values(*parts, user_outputs, self.ledger.device)
-            moved = []
-            for value in sorted(movable, key=lambda n: (n.name in kept, -offload.value_bytes([n]))):
-                ahead = offload.value_bytes(moved) if moved else 0
-                if on_gpu <= self.ledger.available(self.key, working + ahead):
-                    break
-                moved.append(value)
-                on_gpu -= offload.value_bytes([value]) * self.uses
-            ahead = offload.value_bytes(moved)
-            host = ahead * self.uses
-            if moved and on_gpu <= self.ledger.available(self.key, working + ahead) and host <= host_available:
-                best_flops, found = flops, (parts, on_gpu, moved, host, budget, working + ahead)
+            fit = self._moved_to_fit(parts, on_gpu, kept, working, user_outputs) if flops < best_flops else None
+            if fit is not None and offload.value_bytes(fit[0]) * self.uses <= self.ledger.host_available(self.key):
+                best_flops, found = flops, (parts, budget, *fit)
         if found is None:
             return None
-        parts, on_gpu, moved, self.offloaded, budget, working = found
+        parts, budget, moved, on_gpu = found
         offload.apply(*parts, moved)
-        return (parts, on_gpu), budget, working
+        self.offloaded = offload.value_bytes(moved) * self.uses
+        return (parts, on_gpu), budget, working + offload.value_bytes(moved)
+
+    def _moved_to_fit(self, parts, on_gpu: int, kept: set[str], working: int, user_outputs: int):
+        """The saved values of ``parts`` to move to the host so that the rest fits the GPU beside
+        one call's moved values copied back ahead (in the working set): values ``kept`` (the
+        fitting plan's) does not hold first, then the others, largest first. (moved, GPU bytes
+        left), or None if moving all that can move is not enough."""
+        movable = sorted(offload.movable_values(*parts, user_outputs, self.ledger.device),
+                         key=lambda n: (n.name in kept, -offload.value_bytes([n])))
+        moved = []
+        while on_gpu > self.ledger.available(self.key, working + offload.value_bytes(moved)):
+            if not movable:
+                return None
+            moved.append(movable.pop(0))
+            on_gpu -= offload.value_bytes(moved[-1:]) * self.uses
+        return moved, on_gpu
 
     def __reduce__(self):
         # Inductor pickles its config into the cache key; this partitioner's part is its identity.

@@ -128,7 +128,9 @@ def matmul_flops(graph: fx.GraphModule) -> int:
 
 def apply(forward: fx.GraphModule, backward: fx.GraphModule, nodes: list[fx.Node]) -> None:
     """Edit a partition so that ``nodes`` (forward values it saves) travel through host memory;
-    each reload keeps one call's worth of them copying ahead."""
+    each reload keeps one call's worth of them copying ahead. No nodes: no edit."""
+    if not nodes:
+        return
     ahead = value_bytes(nodes)
     graph = forward.graph
     output = graph.find_nodes(op="output")[0]

@@ -40,6 +40,8 @@ CASES = [
     ("--json /proc/out.json", "--json: expected a writable file path"),
     ("--profile {tmp}/missing/trace.json", "--profile: expected a writable file path in an existing directory"),
     ("--profile {under_file}/trace.json", "--profile: expected a writable file path"),
+    ("--offload-activations", "--offload-activations: needs --compile and the budget chosen per graph"),
+    ("--compile --offload-activations --memory-budget 0.5", "--offload-activations: needs --compile and the budget"),
 ]
 
 

@@ -46,6 +46,8 @@ def check_args(args, p: argparse.ArgumentParser) -> None:
         p.error(f"--memory-budget: expected a fraction in [0, 1], got {args.memory_budget}")
     if args.offload_activations and (not args.compile or args.memory_budget is not None):
         p.error("--offload-activations: needs --compile and the budget chosen per graph (no --memory-budget)")
+    if args.offload_activations and int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        p.error("--offload-activations: one GPU only (not built for FSDP2 under torchrun)")
     for option in ("model", "loss", "optimizer"):
         spec = getattr(args, option)
         if spec is not None and (spec.count(":") != 1 or not all(spec.split(":"))):

@@ -6,7 +6,8 @@ are plain host allocations registered with CUDA (``cudaHostRegister``), which
 take what they hold. Pinning costs ~0.08 s per GiB on the H200 host (pages
 faulted in by a fill, then locked), so a buffer taken from the pool starts
 the pinning of spares of its size on background threads, and a step's later
-offloads find them ready or nearly. A buffer is free again when no tensor but the pool's
+offloads find them ready or nearly; up to SPARES buffers beyond a step's
+need stay pinned. A buffer is free again when no tensor but the pool's
 own views its memory: a saved activation keeps its buffer until autograd lets
 it go, however long that is.
 """
@@ -104,6 +105,8 @@ class HostBufferPool:
             pending = [f for futures in self._pending.values() for f in futures]
             self._pending.clear()
         for future in pending:
+            if future.exception() is not None:
+                continue  # never pinned: nothing to unpin
             buffer = future.result()
             with self._lock:
                 self._buffers.setdefault(buffer.numel(), []).append(buffer)

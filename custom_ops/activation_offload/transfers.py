@@ -21,6 +21,7 @@ import torch
 
 from custom_ops.activation_offload.host_buffers import HostBufferPool, is_free
 
+
 @dataclasses.dataclass
 class Offloaded:
     """An activation on the host, as the forward left it."""
