@@ -34,18 +34,21 @@ def _is_view(node: fx.Node) -> bool:
     return isinstance(node.target, torch._ops.OpOverload) and node.target.is_view
 
 
-def _readers(node: fx.Node) -> list[fx.Node] | None:
+def _readers(node: fx.Node, viewed: bool = False) -> list[fx.Node] | None:
     """The nodes that read ``node``'s memory (through views too); None if the graph's output
-    takes a view of it."""
+    takes a view of it (``viewed``: ``node`` is one)."""
     readers = []
     for user in node.users:
-        if user.target is OFFLOAD and user.args[0] is not node:
+        if user.op == "output":
+            if viewed:
+                return None
+        elif user.target is OFFLOAD and user.args[0] is not node:
             continue  # another value's copy, ordered after this one: it never reads it
-        if _is_view(user):
-            if user.op == "output" or (through := _readers(user)) is None:
+        elif _is_view(user):
+            if (through := _readers(user, viewed=True)) is None:
                 return None
             readers += through
-        elif user.op != "output":
+        else:
             readers.append(user)
     return readers
 

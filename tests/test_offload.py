@@ -11,6 +11,7 @@ import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from torch.fx.experimental.proxy_tensor import make_fx
 from torch.library import opcheck
 
 from compile_stack import offload
@@ -118,6 +119,72 @@ def test_a_host_without_room_keeps_the_recomputing_plan(case):
 def test_a_plan_that_fits_moves_nothing(case):
     book, ops = compile_at(case, 1e15, host=10**9)
     assert ops == [] and list(book.host_reserved.values()) == [0]
+
+
+def partition_of(fn, args, saved: list[str], user_outputs: int = 1):
+    """``fn`` traced as a partition's forward returning its own outputs and then the nodes named
+    ``saved``, and a backward taking those (and one tangent) that returns their sum."""
+    forward = make_fx(fn, tracing_mode="fake")(*args)
+    graph = forward.graph
+    nodes = {n.name: n for n in graph.nodes}
+    output = graph.find_nodes(op="output")[0]
+    returned = output.args[0] if isinstance(output.args[0], (tuple, list)) else (output.args[0],)
+    output.args = (tuple(returned[:user_outputs]) + tuple(nodes[name] for name in saved),)
+    forward.recompile()
+    backward = torch.fx.Graph()
+    inputs = [backward.placeholder(name) for name in saved]
+    for node, name in zip(inputs, saved):
+        node.meta["val"] = nodes[name].meta["val"]
+    backward.placeholder("tangents_1")
+    total = inputs[0]
+    for node in inputs[1:]:
+        total = backward.call_function(torch.ops.aten.add.Tensor, (total, backward.call_function(
+            torch.ops.aten.sum.default, (node,))))
+    backward.output((total,))
+    return forward, torch.fx.GraphModule(torch.nn.Module(), backward)
+
+
+def mlp(x, w, v):
+    hidden = x @ w  # mm: read by tanh, whose result the next matmul (mm_1) reads
+    return torch.tanh(hidden) @ v
+
+
+def viewed(x, w, v):
+    hidden = x @ w
+    return hidden.tanh().sum() + hidden.view(-1)[0]
+
+
+MLP_ARGS = (torch.randn(64, 32), torch.randn(32, 32), torch.randn(32, 8))
+
+
+def test_a_matmul_output_moves_after_the_matmul_that_ends_its_reading(monkeypatch):
+    monkeypatch.setattr(offload, "MIN_BYTES", 1)
+    forward, backward = partition_of(mlp, MLP_ARGS, saved=["mm", "tanh"])
+    assert [n.name for n in offload.movable_values(forward, backward, 1, CPU)] == ["mm", "tanh"]
+    expected = backward(*forward(*MLP_ARGS)[1:], None)
+    (mm,) = [n for n in forward.graph.nodes if n.name == "mm"]
+    offload.apply(forward, backward, [mm])
+    (copy_out,) = forward.graph.find_nodes(op="call_function", target=offload.OFFLOAD)
+    assert copy_out.args[0] is mm and [a.name for a in copy_out.args[1]] == ["mm_1"]
+    assert copy_out.prev.name == "mm_1"  # placed where its order puts it
+    (copy_back,) = backward.graph.find_nodes(op="call_function", target=offload.RELOAD)
+    assert copy_back.args[0].name == "mm" and copy_back.args[0].meta["val"].device == CPU
+    assert copy_back.args[2] == 64 * 32 * 4  # one call's moved bytes copied back ahead
+    outputs = forward(*MLP_ARGS)
+    assert outputs[1].device == CPU
+    torch.testing.assert_close(backward(*outputs[1:], None), expected, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("why, fn, saved, min_bytes", [
+    ("returned to the caller too", lambda x, w, v: (x @ w).tanh(), ["tanh"], 1),
+    ("a view of it is saved", viewed, ["mm", "view"], 1),
+    ("a graph input", mlp, ["x_1"], 1),
+    ("smaller than MIN_BYTES", mlp, ["mm"], 64 * 32 * 4 + 1),
+])
+def test_values_that_stay_on_the_device(monkeypatch, why, fn, saved, min_bytes):
+    monkeypatch.setattr(offload, "MIN_BYTES", min_bytes)
+    forward, backward = partition_of(fn, MLP_ARGS, saved=saved)
+    assert offload.movable_values(forward, backward, 1, CPU) == [], why
 
 
 def test_the_ops_pass_opcheck_and_move_values_unchanged():
