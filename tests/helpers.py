@@ -30,7 +30,7 @@ def dynamo_graph(fn, *args) -> torch.fx.GraphModule:
     return gm
 
 
-def record_joint_graphs(monkeypatch, stage: str = "joint") -> list:
+def record_graphs(monkeypatch, stage: str = "joint") -> list:
     """A list that collects each graph as our passes of ``stage`` leave it, from now on in this test."""
     from passes import registry
 

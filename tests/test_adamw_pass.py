@@ -14,7 +14,7 @@ from compile_stack.config import PRESETS
 from compile_stack.harness.user_code import make_train_step
 from custom_ops.adamw import fused_adamw
 from passes import registry
-from tests.helpers import HAS_CUDA, record_joint_graphs
+from tests.helpers import HAS_CUDA, record_graphs
 
 FUSED = torch.ops.cstack.fused_adamw_.default
 PASSES = ["param_data", "adamw"]
@@ -87,7 +87,7 @@ def graphs(monkeypatch):
     caches (a cache hit would skip the passes)."""
     torch._dynamo.reset()
     registry.REPORT.clear()
-    seen = record_joint_graphs(monkeypatch)
+    seen = record_graphs(monkeypatch)
     with torch._inductor.config.patch(force_disable_caches=True):
         yield seen
     torch._dynamo.reset()

@@ -10,7 +10,7 @@ import torch
 from compile_stack.capture import PassBackend
 from custom_ops.newton_schulz import MUON_COEFFICIENTS
 from passes import registry
-from tests.helpers import record_joint_graphs, rel_err
+from tests.helpers import record_graphs, rel_err
 
 NS = torch.ops.cstack.newton_schulz.default
 MATMULS = {torch.ops.aten.mm.default, torch.ops.aten.bmm.default, torch.ops.aten.addmm.default,
@@ -92,7 +92,7 @@ def compile_ns(monkeypatch):
     fresh Dynamo state and an empty report."""
     torch._dynamo.reset()
     registry.REPORT.clear()
-    graphs = record_joint_graphs(monkeypatch)
+    graphs = record_graphs(monkeypatch)
 
     def run(fn, *inputs):
         with torch.no_grad():

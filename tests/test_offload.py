@@ -19,7 +19,7 @@ from compile_stack.budget import SCRATCH_BYTES, MemoryLedger
 from compile_stack.capture import PassBackend
 from custom_ops.activation_offload import TRANSFERS, offload_to_host, reload_to_device
 from passes import registry
-from tests.helpers import record_joint_graphs
+from tests.helpers import record_graphs
 
 HAS_CUDA = torch.cuda.is_available()
 CPU = torch.device("cpu")
@@ -47,7 +47,7 @@ def case(monkeypatch, request):
     x = torch.randn(4, 33, 16, requires_grad=True, device=device)
     model(x).square().sum().backward()
     expected = [p.grad.clone() for p in model.parameters()]
-    graphs = record_joint_graphs(monkeypatch, stage="post_grad")
+    graphs = record_graphs(monkeypatch, stage="post_grad")
     return model, x, expected, graphs
 
 
