@@ -56,22 +56,11 @@ OFFLOAD_BUDGETS = tuple(b / 20 for b in range(20, 0, -1))
 HOST_FRACTION = 0.75
 
 
-def tensor_bytes(value) -> int:
-    """Bytes of a (fake) tensor, a symbolic size by the example value it was traced with; 0 for
-    anything else."""
-    if not isinstance(value, torch.Tensor):
-        return 0
-    numel = value.numel()
-    if isinstance(numel, torch.SymInt):
-        numel = int(numel.node.hint) if numel.node.has_hint() else 0
-    return numel * value.element_size()
-
-
 def saved_bytes(backward: torch.fx.GraphModule, static_inputs: Iterable[int] = ()) -> int:
     """Bytes a partition's forward keeps for its backward: the backward's inputs but the
     incoming gradients and the graph inputs that live anyway (parameters, buffers)."""
     lives_anyway = {f"primals_{i + 1}" for i in static_inputs}
-    return sum(tensor_bytes(n.meta.get("val")) for n in backward.graph.find_nodes(op="placeholder")
+    return sum(memory.tensor_bytes(n.meta.get("val")) for n in backward.graph.find_nodes(op="placeholder")
                if not n.name.startswith("tangents") and n.name not in lives_anyway)
 
 
@@ -138,7 +127,7 @@ def lazy_optimizer_state_bytes(optimizers: list) -> int:
     for opt in optimizers:
         state = getattr(opt, "state", {})
         for group in getattr(opt, "param_groups", ()):
-            total += sum(2 * tensor_bytes(getattr(p, "_local_tensor", p)) for p in group["params"]
+            total += sum(2 * memory.tensor_bytes(getattr(p, "_local_tensor", p)) for p in group["params"]
                          if not state.get(p))
     return total
 

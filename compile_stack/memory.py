@@ -116,3 +116,17 @@ def device_bytes(device: torch.device) -> float:
     if device.type == "cuda":
         return torch.cuda.get_device_properties(device).total_memory
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+def size_hint(size) -> int:
+    """A size as an int: a symbolic one by the example value it was traced with (0 if none)."""
+    if isinstance(size, torch.SymInt):
+        return int(size.node.hint) if size.node.has_hint() else 0
+    return int(size)
+
+
+def tensor_bytes(value) -> int:
+    """Bytes of a (fake) tensor, a symbolic size by its example value; 0 for anything else."""
+    if not isinstance(value, torch.Tensor):
+        return 0
+    return size_hint(value.numel()) * value.element_size()

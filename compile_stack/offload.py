@@ -18,6 +18,7 @@ import torch
 import torch.fx as fx
 
 import custom_ops.activation_offload  # noqa: F401 (registers the ops)
+from compile_stack.memory import size_hint, tensor_bytes
 
 # Smaller values are left on the GPU: a copy's fixed costs would outweigh what they free.
 MIN_BYTES = 16 * 2**20
@@ -81,9 +82,10 @@ def _order_after(node: fx.Node) -> list[fx.Node] | None:
     readers = _readers(node)
     if readers is None:
         return None
+    wanted = set(readers)
     reached: dict[fx.Node, frozenset] = {}  # node -> the readers it depends on
     for later in node.graph.nodes:
-        got = frozenset({later} & set(readers)).union(*(reached.get(i, ()) for i in later.all_input_nodes))
+        got = frozenset({later} & wanted).union(*(reached.get(i, ()) for i in later.all_input_nodes))
         if got:
             reached[later] = got
         if len(got) == len(readers) and _own_kernel(later) and (results := _tensor_results(later)):
@@ -108,13 +110,13 @@ def movable_values(forward: fx.GraphModule, backward: fx.GraphModule, user_outpu
         val = node.meta.get("val") if isinstance(node, fx.Node) else None
         if (node.name in saved and node not in returned and node.op == "call_function" and not _is_view(node)
                 and isinstance(val, torch.Tensor) and val.device == device and val.is_contiguous()
-                and val.numel() * val.element_size() >= MIN_BYTES and _order_after(node) is not None):
+                and tensor_bytes(val) >= MIN_BYTES and _order_after(node) is not None):
             movable.append(node)
     return list(dict.fromkeys(movable))
 
 
 def value_bytes(nodes: list[fx.Node]) -> int:
-    return sum(n.meta["val"].numel() * n.meta["val"].element_size() for n in nodes)
+    return sum(tensor_bytes(n.meta["val"]) for n in nodes)
 
 
 def matmul_flops(graph: fx.GraphModule) -> int:
@@ -124,8 +126,7 @@ def matmul_flops(graph: fx.GraphModule) -> int:
     for node in graph.graph.nodes:
         if node.target in MATMULS:
             out = node.meta["val"]
-            inner = node.args[-1].meta["val"].shape[-2]
-            flops += 2 * out.numel() * int(inner)
+            flops += 2 * size_hint(out.numel()) * size_hint(node.args[-1].meta["val"].shape[-2])
     return flops
 
 
