@@ -24,9 +24,10 @@ def _check_offloadable(x: torch.Tensor) -> None:
 def offload_to_host(x: torch.Tensor, after: list[torch.Tensor]) -> torch.Tensor:
     """``x``'s values in host memory (pinned; copied asynchronously from a GPU).
 
-    ``after``: tensors the copy must follow, never read: the outputs of every
-    other reader of ``x``, so no schedule can start the copy before they
-    finish reading it and free its memory before the copy does.
+    ``after``: tensors the copy must follow, never read: results that exist only
+    once every other reader of ``x`` has run (compile_stack/offload.py picks
+    them), so that in any schedule the copy is ``x``'s last use and nothing
+    writes its memory before the copy has read it.
     """
     _check_offloadable(x)
     if x.device.type == "cuda":
