@@ -60,8 +60,8 @@ def saved_bytes(backward: torch.fx.GraphModule, static_inputs: Iterable[int] = (
     """Bytes a partition's forward keeps for its backward: the backward's inputs but the
     incoming gradients and the graph inputs that live anyway (parameters, buffers)."""
     lives_anyway = {f"primals_{i + 1}" for i in static_inputs}
-    return sum(memory.tensor_bytes(n.meta.get("val")) for n in backward.graph.find_nodes(op="placeholder")
-               if not n.name.startswith("tangents") and n.name not in lives_anyway)
+    return sum(memory.tensor_bytes(n.meta.get("val")) for n in offload.saved_inputs(backward)
+               if n.name not in lives_anyway)
 
 
 class MemoryLedger:

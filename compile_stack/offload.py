@@ -26,9 +26,14 @@ OFFLOAD = torch.ops.cstack.offload_to_host.default
 RELOAD = torch.ops.cstack.reload_to_device.default
 
 
+def saved_inputs(backward: fx.GraphModule) -> list[fx.Node]:
+    """A partition's backward inputs that its forward saved (all but the incoming gradients)."""
+    return [n for n in backward.graph.find_nodes(op="placeholder") if not n.name.startswith("tangents")]
+
+
 def saved_names(backward: fx.GraphModule) -> set[str]:
     """Names of the values a partition's forward saves for its backward."""
-    return {n.name for n in backward.graph.find_nodes(op="placeholder") if not n.name.startswith("tangents")}
+    return {n.name for n in saved_inputs(backward)}
 
 
 def _is_view(node: fx.Node) -> bool:

@@ -62,19 +62,23 @@ def _reload_to_device_fake(x, device, ahead=0):
     return torch.empty(x.shape, dtype=x.dtype, device=device)
 
 
-def _save_devices(ctx, inputs, output):
+def _save_device(ctx, inputs, output):
     ctx.device = inputs[0].device
-    ctx.others = [None] * len(inputs[1]) if isinstance(inputs[1], list) else None
-    ctx.count = len(inputs)
+    ctx.after = len(inputs[1]) if isinstance(inputs[1], list) else 0
 
 
-def _to_input_device(ctx, grad):
-    """Both ops move values unchanged: the gradient goes back to the input's device."""
-    return (grad.to(ctx.device), ctx.others) + (None,) * (ctx.count - 2)
+def _offload_backward(ctx, grad):
+    """The values moved unchanged: the gradient goes back to the GPU; none for ``after``."""
+    return grad.to(ctx.device), [None] * ctx.after
 
 
-offload_to_host.register_autograd(_to_input_device, setup_context=_save_devices)
-reload_to_device.register_autograd(_to_input_device, setup_context=_save_devices)
+def _reload_backward(ctx, grad):
+    """The values moved unchanged: the gradient goes back to the host."""
+    return grad.to(ctx.device), None, None
+
+
+offload_to_host.register_autograd(_offload_backward, setup_context=_save_device)
+reload_to_device.register_autograd(_reload_backward, setup_context=_save_device)
 
 
 def release_host_memory() -> None:

@@ -72,8 +72,8 @@ class Transfers:
     def reload(self, host: torch.Tensor, device: torch.device, ahead: int) -> torch.Tensor:
         """``host`` on ``device``, ready for the main stream's next kernels; the copies back of the
         next ``ahead`` bytes started."""
-        copy = self._ahead.pop(host.data_ptr(), None) or self._copy_back(host, device)
-        self._offloaded = [e for e in self._offloaded if e.buffer.data_ptr() != host.data_ptr()]
+        copy = self._ahead.get(host.data_ptr()) or self._copy_back(host, device)
+        self._forget(host.data_ptr())  # asked for: no longer to start ahead
         self._start_ahead(device, ahead)
         torch.cuda.current_stream(device).wait_event(copy.done)
         return copy.tensor
@@ -104,7 +104,7 @@ class Transfers:
                 ahead += entry.buffer.numel()
 
     def _forget(self, address: int) -> None:
-        """A buffer handed out again: whatever was known of its previous contents is stale."""
+        """Drop what is known of a host buffer's contents: asked for back, or handed out again."""
         self._ahead.pop(address, None)
         self._offloaded = [e for e in self._offloaded if e.buffer.data_ptr() != address]
 
