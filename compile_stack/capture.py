@@ -119,8 +119,9 @@ class PassBackend:
         compile_graph = functools.partial(compile_fx if self.codegen else self._compile_without_codegen,
                                           **({} if self.codegen else {"partitioner": partitioner}))
         # An offloaded activation is read by a copy on a side stream after its last reader on the
-        # main stream: the caching allocator waits for that copy before reusing its memory, but
-        # Inductor's in-graph reuse of a freed buffer would not.
+        # main stream, and may come back to the backward as it is: the transfers hold the tensor
+        # (custom_ops/activation_offload/transfers.py), but Inductor's in-graph reuse of a freed
+        # buffer would write into it.
         offloading = self.ledger is not None and self.ledger.host_capacity > 0
         with (self.active(settings.on_gpu(example_inputs)), backward_now,
               torch._inductor.config.patch(custom_partitioner_fn=partitioner,

@@ -137,7 +137,8 @@ def matmul_flops(graph: fx.GraphModule) -> int:
 
 def apply(forward: fx.GraphModule, backward: fx.GraphModule, nodes: list[fx.Node]) -> None:
     """Edit a partition so that ``nodes`` (forward values it saves) travel through host memory;
-    each reload keeps one call's worth of them copying ahead. No nodes: no edit."""
+    each offload lets one call's worth of them stay on the GPU while their copies run, each reload
+    keeps one call's worth copying ahead. No nodes: no edit."""
     if not nodes:
         return
     ahead = value_bytes(nodes)
@@ -150,9 +151,9 @@ def apply(forward: fx.GraphModule, backward: fx.GraphModule, nodes: list[fx.Node
         after = _order_after(node)
         val = node.meta["val"]
         with graph.inserting_after(max(after, key=position.__getitem__, default=node)):
-            host = graph.call_function(OFFLOAD, (node, after))
+            host = graph.call_function(OFFLOAD, (node, after, ahead))
         with val.fake_mode:
-            host.meta["val"] = OFFLOAD(val, [a.meta["val"] for a in after])
+            host.meta["val"] = OFFLOAD(val, [a.meta["val"] for a in after], ahead)
         replacement[node] = host
         moved[node.name] = val
     output.args = (tuple(replacement.get(n, n) for n in output.args[0]),) + output.args[1:]

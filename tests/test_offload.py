@@ -189,36 +189,58 @@ def test_values_that_stay_on_the_device(monkeypatch, why, fn, saved, min_bytes):
 
 def test_the_ops_pass_opcheck_and_move_values_unchanged():
     x = torch.randn(5, 7, requires_grad=True)
-    opcheck(torch.ops.cstack.offload_to_host.default, (x, [torch.randn(3)]))
+    opcheck(torch.ops.cstack.offload_to_host.default, (x, [torch.randn(3)], 2**20))
     opcheck(torch.ops.cstack.reload_to_device.default, (x, CPU, 2**20))
-    host = offload_to_host(x.detach(), [])
+    host = offload_to_host(x.detach(), [], 0)
     assert host.device == CPU and torch.equal(host, x) and host.data_ptr() != x.data_ptr()
-    assert torch.equal(reload_to_device(host, CPU), x)
+    assert torch.equal(reload_to_device(host, CPU, 0), x)
 
 
 def test_bad_input_names_the_argument():
     with pytest.raises(ValueError, match="x: expected a contiguous tensor"):
-        offload_to_host(torch.randn(4, 6).t(), [])
+        offload_to_host(torch.randn(4, 6).t(), [], 0)
     with pytest.raises(ValueError, match="x: expected a contiguous tensor"):
-        reload_to_device(torch.randn(4, 6).t(), CPU)
+        reload_to_device(torch.randn(4, 6).t(), CPU, 0)
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not HAS_CUDA, reason="needs CUDA")
-def test_gpu_round_trips_in_reverse_order_with_copies_started_ahead():
-    """Offloads as a forward makes them, the main stream overwriting each source right after;
-    reloads in reverse (the prefetch's order, two activations ahead) and then out of order;
-    every value comes back."""
+@pytest.mark.parametrize("in_flight", [0, 2**40])
+def test_gpu_round_trips_in_reverse_order_with_copies_started_ahead(in_flight):
+    """Offloads as a forward makes them, the main stream overwriting each source right after
+    (so none may come back as it is); reloads in reverse (the prefetch's order, two activations
+    ahead) and then out of order; every value comes back."""
+    TRANSFERS.release()
     device = torch.device("cuda")
     sources = [torch.randn(1024, 777 + i, device=device) for i in range(6)]
     expected = [s.cpu() for s in sources]
     hosts = []
     for source in sources:
-        hosts.append(offload_to_host(source, []))
+        hosts.append(offload_to_host(source, [], in_flight))
         source.mul_(-1.0)  # queued after the copy on the main stream: the copy must see the old values
     for i in (5, 4, 3, 0, 2, 1):
-        torch.testing.assert_close(reload_to_device(hosts[i], device, 7 * 2**20).cpu(), expected[i], rtol=0, atol=0)
+        back = reload_to_device(hosts[i], device, 7 * 2**20)
+        assert back.data_ptr() != sources[i].data_ptr()
+        torch.testing.assert_close(back.cpu(), expected[i], rtol=0, atol=0)
     assert all(h.is_pinned() for h in hosts)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_CUDA, reason="needs CUDA")
+def test_gpu_sources_within_in_flight_come_back_as_they_are():
+    """The latest source stays held and comes back without a copy, as may those within
+    ``in_flight`` bytes before it whose copies were still running; older ones were let go and
+    are copied back; all values right."""
+    TRANSFERS.release()
+    device = torch.device("cuda")
+    sources = [torch.randn(1024, 1024, device=device) for _ in range(5)]
+    expected = [s.cpu() for s in sources]
+    hosts = [offload_to_host(s, [], 2 * 4 * 2**20) for s in sources]  # two earlier sources may stay
+    backs = {i: reload_to_device(hosts[i], device, 4 * 2**20) for i in (4, 3, 2, 1, 0)}
+    for i, back in backs.items():
+        torch.testing.assert_close(back.cpu(), expected[i], rtol=0, atol=0)
+    as_they_are = [backs[i].data_ptr() == sources[i].data_ptr() for i in range(5)]
+    assert as_they_are[:2] == [False, False] and as_they_are[4]
 
 
 @pytest.mark.gpu
@@ -226,13 +248,13 @@ def test_gpu_round_trips_in_reverse_order_with_copies_started_ahead():
 def test_gpu_host_buffers_are_exact_and_reused_once_free():
     TRANSFERS.release()
     x = torch.randn(1000, 1001, device="cuda")
-    first = offload_to_host(x, [])
+    first = offload_to_host(x, [], 0)
     address = first.data_ptr()
-    second = offload_to_host(x, [])
+    second = offload_to_host(x, [], 0)
     assert second.data_ptr() != address  # the first is still held
     del first
     torch.cuda.synchronize()
-    third = offload_to_host(x, [])
+    third = offload_to_host(x, [], 0)
     assert third.data_ptr() == address and third.untyped_storage().nbytes() == x.numel() * 4
     del second, third
     TRANSFERS.release()

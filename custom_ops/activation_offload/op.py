@@ -21,28 +21,31 @@ def _check_offloadable(x: torch.Tensor) -> None:
 
 
 @torch.library.custom_op("cstack::offload_to_host", mutates_args=())
-def offload_to_host(x: torch.Tensor, after: list[torch.Tensor]) -> torch.Tensor:
+def offload_to_host(x: torch.Tensor, after: list[torch.Tensor], in_flight: int) -> torch.Tensor:
     """``x``'s values in host memory (pinned; copied asynchronously from a GPU).
 
     ``after``: tensors the copy must follow, never read: results that exist only
     once every other reader of ``x`` has run (compile_stack/offload.py picks
     them), so that in any schedule the copy is ``x``'s last use and nothing
     writes its memory before the copy has read it.
+    ``in_flight``: bytes of earlier offloads whose GPU memory may stay held while
+    their copies run (the main stream waits for the copies of older ones).
     """
     _check_offloadable(x)
+    require(in_flight >= 0, "in_flight", "a byte count >= 0", in_flight)
     if x.device.type == "cuda":
-        return TRANSFERS.offload(x)
+        return TRANSFERS.offload(x, in_flight)
     return x.clone()
 
 
 @offload_to_host.register_fake
-def _offload_to_host_fake(x, after):
+def _offload_to_host_fake(x, after, in_flight):
     _check_offloadable(x)
     return torch.empty(x.shape, dtype=x.dtype, device="cpu")
 
 
 @torch.library.custom_op("cstack::reload_to_device", mutates_args=())
-def reload_to_device(x: torch.Tensor, device: torch.device, ahead: int = 0) -> torch.Tensor:
+def reload_to_device(x: torch.Tensor, device: torch.device, ahead: int) -> torch.Tensor:
     """``x`` (in host memory) on ``device``; on a GPU, ready for the current stream's next kernels.
 
     ``ahead``: bytes of the activations offloaded before ``x`` whose copies back to start now,
@@ -57,7 +60,7 @@ def reload_to_device(x: torch.Tensor, device: torch.device, ahead: int = 0) -> t
 
 
 @reload_to_device.register_fake
-def _reload_to_device_fake(x, device, ahead=0):
+def _reload_to_device_fake(x, device, ahead):
     _check_offloadable(x)
     return torch.empty(x.shape, dtype=x.dtype, device=device)
 
@@ -69,7 +72,7 @@ def _save_device(ctx, inputs, output):
 
 def _offload_backward(ctx, grad):
     """The values moved unchanged: the gradient goes back to the GPU; none for ``after``."""
-    return grad.to(ctx.device), [None] * ctx.after
+    return grad.to(ctx.device), [None] * ctx.after, None
 
 
 def _reload_backward(ctx, grad):
