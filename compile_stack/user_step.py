@@ -33,7 +33,7 @@ from pathlib import Path
 
 import torch
 
-from compile_stack import settings
+from compile_stack import host_pinning, settings
 from compile_stack.blocks import BlockCalls
 from compile_stack.budget import MemoryLedger
 from compile_stack.capture import PassBackend
@@ -330,12 +330,19 @@ class CompiledStep:
                             if (calls := BlockCalls.of(model, lambda n: backend(name="block", uses=n))) is not None]
         self.compiled = torch.compile(train_step, backend=self.backend)
         self.targets_check = TargetsCheck()
+        self.models = models
+        self.called = False
         functools.update_wrapper(self, train_step)
 
     def __call__(self, *args, **kwargs):
         self.targets_check.before_call()
         if self.ledger is not None:
             self.ledger.at_step_start()
+        pinning = None
+        if not self.called and self.ledger is not None and self.ledger.host_capacity and torch.cuda.is_available():
+            pinning = host_pinning.step_key(args, self.models, self.ledger.capacity, self.ledger.host_capacity)
+            host_pinning.pin_remembered(pinning, self.ledger.host_capacity)  # under the first call's tracing
+        self.called = True
         with contextlib.ExitStack() as stack:
             stack.enter_context(self.backend.active())  # the backward may be compiled in this call
             for calls in self.block_calls:
@@ -343,6 +350,8 @@ class CompiledStep:
             for opt_step in self.optimizer_steps:
                 stack.enter_context(opt_step.routed())
             result = self.compiled(*args, **kwargs)
+        if pinning is not None:
+            host_pinning.remember(pinning)
         self.targets_check.after_call()
         return result
 

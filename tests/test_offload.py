@@ -17,7 +17,7 @@ from torch.library import opcheck
 from compile_stack import offload
 from compile_stack.budget import SCRATCH_BYTES, MemoryLedger
 from compile_stack.capture import PassBackend
-from custom_ops.activation_offload import TRANSFERS, offload_to_host, reload_to_device
+from custom_ops.activation_offload import TRANSFERS, host_buffers, offload_to_host, reload_to_device
 from passes import registry
 from tests.helpers import record_graphs
 
@@ -259,3 +259,54 @@ def test_gpu_host_buffers_are_exact_and_reused_once_free():
     del second, third
     TRANSFERS.release()
     assert TRANSFERS.pool.pinned_bytes() == 0
+
+
+def test_pool_pins_ahead_what_a_step_needed(monkeypatch):
+    """The pool counts the most buffers of a size held at once; pinning ahead that many (within
+    the limit) hands them out without pinning in the caller."""
+    pinned_here = []
+    monkeypatch.setattr(host_buffers, "_pinned", lambda n: torch.empty(n, dtype=torch.uint8))
+    pool = host_buffers.HostBufferPool()
+    held = [pool.acquire(1000)[:] for _ in range(3)]  # a view holds a buffer, as an offload's result does
+    del held[0]
+    held.append(pool.acquire(1000)[:])
+    assert pool.needed() == {1000: 3}
+
+    fresh = host_buffers.HostBufferPool()
+    fresh.pin_ahead({1000: 3, 10**6: 5}, limit=3 * 10**6 + 1000)  # the limit admits 3 of the large ones
+    monkeypatch.setattr(fresh, "_add", lambda n: pinned_here.append(n))
+    large = [fresh.acquire(10**6)[:] for _ in range(3)]
+    assert pinned_here == [] and all(b.numel() == 10**6 for b in large)
+    assert len({b.data_ptr() for b in large}) == 3
+
+
+def test_remembered_buffers_are_keyed_by_what_decides_the_plan(monkeypatch, tmp_path):
+    from compile_stack import host_pinning, settings
+
+    monkeypatch.setenv(settings.CACHE_ENV, str(tmp_path))
+    asked = []
+
+    class Pool:
+        def needed(self):
+            return {2**30: 68}
+
+        def pin_ahead(self, needed, limit):
+            asked.append((needed, limit))
+
+    monkeypatch.setattr(host_pinning.TRANSFERS, "pool", Pool())
+    model = nn.Linear(4, 4)
+    key = host_pinning.step_key((torch.zeros(2, 8, dtype=torch.long),), [model], 1e11, 2**36)
+    assert key == host_pinning.step_key((torch.ones(2, 8, dtype=torch.long),), [model], 1e11, 2**36)
+    others = [host_pinning.step_key((torch.zeros(2, 9, dtype=torch.long),), [model], 1e11, 2**36),
+              host_pinning.step_key((torch.zeros(2, 8, dtype=torch.long),), [nn.Linear(4, 5)], 1e11, 2**36),
+              host_pinning.step_key((torch.zeros(2, 8, dtype=torch.long),), [model], 1e11, 2**35)]
+    assert key not in others
+    host_pinning.pin_remembered(key, 2**36)
+    assert asked == []  # nothing remembered yet
+    host_pinning.remember(key)
+    host_pinning.pin_remembered(others[0], 2**36)
+    host_pinning.pin_remembered(key, 2**36)
+    assert asked == [({2**30: 68}, 2**36)]
+    (tmp_path / "inductor" / host_pinning.FILE).write_text("{not json")
+    host_pinning.pin_remembered(key, 2**36)  # a damaged file is ignored
+    assert len(asked) == 1

@@ -9,7 +9,9 @@ the pinning of spares of its size on background threads, and a step's later
 offloads find them ready or nearly; up to SPARES buffers beyond a step's
 need stay pinned. A buffer is free again when no tensor but the pool's
 own views its memory: a saved activation keeps its buffer until autograd lets
-it go, however long that is.
+it go, however long that is. ``needed()`` says how many of each size a step
+held at once, and ``pin_ahead`` pins that many in the background before a step
+asks (a warm start: compile_stack/offload.py remembers them in the cache).
 """
 import threading
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -56,6 +58,7 @@ class HostBufferPool:
         self._lock = threading.Lock()
         self._buffers: dict[int, list[torch.Tensor]] = {}  # nbytes -> buffers, free or not
         self._pending: dict[int, list[Future]] = {}  # nbytes -> buffers being pinned
+        self._needed: dict[int, int] = {}  # nbytes -> the most buffers of that size held at once
         self._executor: ThreadPoolExecutor | None = None
 
     def acquire(self, nbytes: int) -> torch.Tensor:
@@ -63,6 +66,8 @@ class HostBufferPool:
         with self._lock:
             buffers = self._buffers.setdefault(nbytes, [])
             free = next((b for b in buffers if is_free(b)), None)
+            held = sum(not is_free(b) for b in buffers) + 1
+            self._needed[nbytes] = max(self._needed.get(nbytes, 0), held)
             pending = self._pending.setdefault(nbytes, [])
             ready = free is None and pending and pending[0]
         if free is None:
@@ -82,17 +87,36 @@ class HostBufferPool:
             self._buffers[nbytes].append(buffer)
         return buffer
 
+    def _submit(self, nbytes: int, count: int) -> None:
+        """Pin ``count`` more buffers of ``nbytes`` on the background threads (the lock held)."""
+        if self._executor is None:
+            self._executor = ThreadPoolExecutor(PIN_THREADS, thread_name_prefix="pin-host")
+        self._pending.setdefault(nbytes, []).extend(self._executor.submit(_pinned, nbytes) for _ in range(count))
+
+    def needed(self) -> dict[int, int]:
+        """The most buffers of each size held at once so far."""
+        with self._lock:
+            return dict(self._needed)
+
+    def pin_ahead(self, needed: dict[int, int], limit: int) -> None:
+        """Start pinning buffers up to ``needed`` of each size (nbytes -> count), within ``limit``
+        bytes pinned or being pinned in all, largest sizes first."""
+        with self._lock:
+            total = sum(n * (len(self._buffers.get(n, ())) + len(self._pending.get(n, ())))
+                        for n in self._buffers.keys() | self._pending.keys())
+            for nbytes, count in sorted(needed.items(), reverse=True):
+                have = len(self._buffers.setdefault(nbytes, [])) + len(self._pending.setdefault(nbytes, []))
+                more = max(0, min(count - have, (limit - total) // nbytes))
+                self._submit(nbytes, more)
+                total += more * nbytes
+
     def _pin_spares(self, nbytes: int, taken: torch.Tensor) -> None:
         """Keep SPARES free buffers of this size, besides the one just ``taken``, pinned or being pinned."""
         with self._lock:
             free = sum(is_free(b) for b in self._buffers[nbytes] if b is not taken)
             missing = SPARES - free - len(self._pending[nbytes])
-            if missing <= 0:
-                return
-            if self._executor is None:
-                self._executor = ThreadPoolExecutor(PIN_THREADS, thread_name_prefix="pin-host")
-            for _ in range(missing):
-                self._pending[nbytes].append(self._executor.submit(_pinned, nbytes))
+            if missing > 0:
+                self._submit(nbytes, missing)
 
     def pinned_bytes(self) -> int:
         """Bytes pinned by the pool (its buffers, free or not)."""

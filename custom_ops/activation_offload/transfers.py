@@ -122,6 +122,8 @@ class Transfers:
     def reload(self, host: torch.Tensor, device: torch.device, ahead: int) -> torch.Tensor:
         """``host`` on ``device``, ready for the main stream's next kernels; the copies back of the
         next ``ahead`` bytes started."""
+        if device.index is None:  # "cuda": the current one, as tensors name it
+            device = torch.device(device.type, torch.cuda.current_device())
         address = host.data_ptr()
         source = self._held.pop(address, None)
         if source is not None and source.tensor._version == source.version and source.tensor.device == device:

@@ -1,0 +1,67 @@
+"""The pinned host buffers an offloading step needed, remembered for its next start.
+
+Pinning is slow (~12 GiB/s on the H200 host: the full preset's 91 GiB take
+~7.6 s), and a step's first forward pins what it offloads as it goes, so a
+warm start waited for it after its tracing. The buffers a step needed (how
+many of each size at once) are written beside the compile caches after its
+first call, keyed by what decides them: the step's inputs and parameters,
+the device's and the host's capacity and the plan's code. The next process
+with the same key starts pinning them on background threads as its first
+call begins, under Dynamo's tracing.
+"""
+import hashlib
+import json
+import os
+from pathlib import Path
+
+import torch
+
+from compile_stack import settings
+from custom_ops.activation_offload import TRANSFERS
+
+FILE = "offload_host_buffers.json"
+
+
+def _path() -> Path:
+    return settings.default_cache_dir() / "inductor" / FILE
+
+
+def step_key(args, models: list, device_capacity: float, host_capacity: int) -> str:
+    """What decides a step's offload plan, and so its buffers: its tensor arguments and
+    parameters (shapes and dtypes), the two capacities and the plan's code."""
+    tensors = [a for a in args if isinstance(a, torch.Tensor)]
+    tensors += [p for model in models for p in model.parameters()]
+    h = hashlib.sha256()
+    for name in ("budget.py", "offload.py"):
+        h.update((Path(__file__).parent / name).read_bytes())
+    h.update(repr([(tuple(t.shape), str(t.dtype)) for t in tensors]).encode())
+    h.update(f"{device_capacity:.0f}:{host_capacity}".encode())
+    return h.hexdigest()
+
+
+def _read() -> dict:
+    try:
+        return json.loads(_path().read_text())
+    except (OSError, ValueError):  # none yet, or damaged: only a head start is lost
+        return {}
+
+
+def pin_remembered(key: str, limit: int) -> None:
+    """Start pinning the buffers the step of ``key`` needed last time, within ``limit`` bytes."""
+    needed = _read().get(key)
+    if needed:
+        TRANSFERS.pool.pin_ahead({int(n): int(c) for n, c in needed.items()}, limit)
+
+
+def remember(key: str) -> None:
+    """Write the buffers this process's steps needed under ``key`` (atomically)."""
+    needed = TRANSFERS.pool.needed()
+    if not needed:
+        return
+    table = _read()
+    table[key] = {str(n): c for n, c in needed.items()}
+    path = _path()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(f".{os.getpid()}.tmp")
+    tmp.write_text(json.dumps(table, indent=1))
+    tmp.replace(path)
