@@ -54,14 +54,18 @@ def pin_remembered(key: str, limit: int) -> None:
 
 
 def remember(key: str) -> None:
-    """Write the buffers this process's steps needed under ``key`` (atomically)."""
+    """Write the buffers this process's steps needed under ``key`` (atomically; not at all where
+    the cache cannot be written)."""
     needed = TRANSFERS.pool.needed()
     if not needed:
         return
     table = _read()
     table[key] = {str(n): c for n, c in needed.items()}
     path = _path()
-    path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(f".{os.getpid()}.tmp")
-    tmp.write_text(json.dumps(table, indent=1))
-    tmp.replace(path)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp.write_text(json.dumps(table, indent=1))
+        tmp.replace(path)
+    except OSError:  # a cache that cannot be written: the next start pins as it goes
+        tmp.unlink(missing_ok=True)

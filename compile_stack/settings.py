@@ -89,17 +89,29 @@ def inductor_options(on_gpu: bool = False) -> dict:
     return options
 
 
+def forget_vec_isas() -> None:
+    """Forget what Inductor found of the host's vector ISAs: its list, and the AVX-512 classes'
+    own answers, which they keep per ISA whatever ``cpp.vec_isa_ok`` says when next asked."""
+    cpu_vec_isa.valid_vec_isa_list.cache_clear()
+    for isa in cpu_vec_isa.supported_vec_isa_list:
+        if (cache_clear := getattr(type(isa).__bool__, "cache_clear", None)) is not None:
+            cache_clear()
+
+
 @contextlib.contextmanager
 def inductor_config(on_gpu: bool = False):
     """``inductor_options(on_gpu)`` in force. Inductor remembers the host's vector ISAs for the
-    process once it has looked; a GPU graph's look (none, without the probe) is forgotten after
-    it, so a CPU graph compiled later in the process still gets its vector ISA."""
+    process once it has looked; a GPU graph looks afresh (finding none, without the probe) and
+    its look is forgotten after it, so a CPU graph compiled later in the process still gets its
+    vector ISA."""
+    if on_gpu:
+        forget_vec_isas()
     try:
         with torch._inductor.config.patch(inductor_options(on_gpu)):
             yield
     finally:
         if on_gpu:
-            cpu_vec_isa.valid_vec_isa_list.cache_clear()
+            forget_vec_isas()
 
 
 def on_gpu(example_inputs) -> bool:

@@ -310,3 +310,5 @@ def test_remembered_buffers_are_keyed_by_what_decides_the_plan(monkeypatch, tmp_
     (tmp_path / "inductor" / host_pinning.FILE).write_text("{not json")
     host_pinning.pin_remembered(key, 2**36)  # a damaged file is ignored
     assert len(asked) == 1
+    monkeypatch.setenv(settings.CACHE_ENV, str(tmp_path / "inductor" / host_pinning.FILE))  # not a directory
+    host_pinning.remember(key)  # nothing written, nothing raised
