@@ -9,6 +9,7 @@ the device's and the host's capacity and the plan's code. The next process
 with the same key starts pinning them on background threads as its first
 call begins, under Dynamo's tracing.
 """
+import contextlib
 import hashlib
 import json
 import os
@@ -68,4 +69,5 @@ def remember(key: str) -> None:
         tmp.write_text(json.dumps(table, indent=1))
         tmp.replace(path)
     except OSError:  # a cache that cannot be written: the next start pins as it goes
-        tmp.unlink(missing_ok=True)
+        with contextlib.suppress(OSError):
+            tmp.unlink()
