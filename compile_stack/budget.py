@@ -64,6 +64,11 @@ def saved_bytes(backward: torch.fx.GraphModule, static_inputs: Iterable[int] = (
                if n.name not in lives_anyway)
 
 
+def plan_code_hash() -> str:
+    """A hash of the code that decides a graph's memory plan (this file and offload.py)."""
+    return hashlib.sha256(Path(__file__).read_bytes() + Path(offload.__file__).read_bytes()).hexdigest()
+
+
 class MemoryLedger:
     """What a step's graphs may save for their backward, on one device.
 
@@ -224,6 +229,5 @@ class BudgetedPartitioner(CustomPartitionerFn):
         return (str, (self.uuid(),))
 
     def uuid(self):
-        source = hashlib.sha256(Path(__file__).read_bytes() + Path(offload.__file__).read_bytes()).hexdigest()
         state = (self.ledger.allocated() + self.ledger.future_state()) >> 30
-        return f"{source}:{self.uses}:{self.ledger.capacity:.0f}:{state}:{self.ledger.host_capacity}"
+        return f"{plan_code_hash()}:{self.uses}:{self.ledger.capacity:.0f}:{state}:{self.ledger.host_capacity}"

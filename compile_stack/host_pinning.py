@@ -18,6 +18,7 @@ from pathlib import Path
 import torch
 
 from compile_stack import settings
+from compile_stack.budget import plan_code_hash
 from custom_ops.activation_offload import TRANSFERS
 
 FILE = "offload_host_buffers.json"
@@ -32,9 +33,7 @@ def step_key(args, models: list, device_capacity: float, host_capacity: int) -> 
     parameters (shapes and dtypes), the two capacities and the plan's code."""
     tensors = [a for a in args if isinstance(a, torch.Tensor)]
     tensors += [p for model in models for p in model.parameters()]
-    h = hashlib.sha256()
-    for name in ("budget.py", "offload.py"):
-        h.update((Path(__file__).parent / name).read_bytes())
+    h = hashlib.sha256(plan_code_hash().encode())
     h.update(repr([(tuple(t.shape), str(t.dtype)) for t in tensors]).encode())
     h.update(f"{device_capacity:.0f}:{host_capacity}".encode())
     return h.hexdigest()
