@@ -186,7 +186,7 @@ def hopper_sources():
                     "dq_desc": mangle_type(gluon_kernels._fragments_desc(torch.empty(512, d))),
                     "DK": tensor, "DV": tensor,
                     "STATS": "*fp32", "qk_scale": "fp32", "scale": "fp32", "SQ": "i32", "SK": "i32",
-                }, {"num_warps": bwd.num_warps}),
+                }, {"PEEL_DIAGONAL": causal and configs.HOPPER_BWD_PEEL_DIAGONAL[d], "num_warps": bwd.num_warps}),
             }
             for name, (fn, t, sig, extra) in kernels.items():
                 constexprs = {"IS_CAUSAL": causal, "HEAD_D": d, "BLOCK_M": t.block_m, "BLOCK_N": t.block_n,

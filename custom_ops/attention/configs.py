@@ -83,6 +83,11 @@ HOPPER_BWD_ROWS = 64
 # (BENCHMARKS.md): D=128 2 (3 ran 10% slower), D=64 5 (3.32 ms against 3.63 at 2).
 HOPPER_BWD = {d: Tiles(block_m=HOPPER_BWD_ROWS, block_n=128, num_warps=8, num_stages=stages)
               for d, stages in ((64, 5), (128, 2))}
+# Whether the backward runs its causal diagonal tiles (the two whose keys reach past some of their
+# queries) in a loop of their own before an unmasked loop over the rest, per head dim. At D=128
+# that leaves ptxas no spills (80 B with the mask tested in the loop) and ran 0.9-1.6% faster on
+# the H200; at D=64 (no spills either way) 4% slower (BENCHMARKS.md, 2026-12-01 fifth session).
+HOPPER_BWD_PEEL_DIAGONAL = {64: False, 128: True}
 HOPPER_HEAD_DIMS = tuple(HOPPER_BWD)
 DQ_FRAGMENT_ROW = 256  # the fp32 dQ buffer seen as rows of 256 for its TMA descriptor (the box's widest)
 

@@ -20,6 +20,8 @@ reduce-add). Two data layouts decide much of its speed:
 - Each query tile's lse·log2(e) and delta come from one buffer (``_delta`` given lse, in tiles
   of ``HOPPER_BWD_ROWS``), side by side: one pointer live through the loop instead of two
   leaves ptxas fewer spills.
+- Causal at D=128, the two query tiles reaching the diagonal run in a loop of their own, so the
+  loop over the others holds no mask: ptxas then spills nothing (``HOPPER_BWD_PEEL_DIAGONAL``).
 
 Forward: FA3's layout: one program per 128 queries, warp-specialized into a load warp and two
 compute warp groups of 64 queries each, 128-key K/V tiles in a 3-deep shared-memory ring. A
@@ -39,8 +41,8 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor as GluonTensorDescriptor
 
 from custom_ops.attention.configs import (
-    DQ_FRAGMENT_ROW, HOPPER_BWD, HOPPER_BWD_ROWS, HOPPER_FWD, HOPPER_FWD_COMPUTE_REGS, HOPPER_HEAD_DIMS, LOG2E,
-    _LN2)
+    DQ_FRAGMENT_ROW, HOPPER_BWD, HOPPER_BWD_PEEL_DIAGONAL, HOPPER_BWD_ROWS, HOPPER_FWD, HOPPER_FWD_COMPUTE_REGS,
+    HOPPER_HEAD_DIMS, LOG2E, _LN2)
 from custom_ops.attention.triton_kernels import _as_4d, _delta, _empty_bwd, _empty_fwd, _no_heads
 
 
@@ -81,9 +83,66 @@ def _load_query_tile(q_desc, do_desc, q_smem, do_smem, ready, slot, row, pred):
 
 
 @gluon.jit
+def _bwd_query_tile(i, dk, dv, q_desc, do_desc, dq_desc, k_smem, v_smem, q_smem, do_smem, p_smem, ds_smem, dq_smem,
+                    dq_box, ready, STATS, qk_scale, scale, q_row0, lo, n_iter, offs_m, cols, masked):
+    """The backward's work on its ``i``-th query tile: S and dP, then P and dS into shared memory,
+    dQ's TMA reduce-add, and dV, dK left in flight into the next tile (returned). ``masked``
+    (a constexpr, or a bool the loop computes) applies the causal mask to P."""
+    STAGES: gl.constexpr = q_smem.type.shape[0]
+    BLOCK_M: gl.constexpr = q_smem.type.shape[1]
+    HEAD_D: gl.constexpr = q_smem.type.shape[2]
+    BLOCK_N: gl.constexpr = k_smem.type.shape[0]
+    dtype: gl.constexpr = q_smem.dtype
+    L_S: gl.constexpr = offs_m.type.layout.parent  # S and dP: queries as rows, the warp groups side by side
+    L_DQ: gl.constexpr = _dq_layout(HEAD_D, L_S.warps_per_cta[1])
+    stage = i % STAGES
+    mbarrier.wait(ready.index(stage), (i // STAGES) & 1)
+    q = q_smem.index(stage)
+    do = do_smem.index(stage)
+    start_m = lo + i * BLOCK_M
+    stats = STATS + (q_row0 + start_m) * 2  # this tile's lse·log2(e), then its delta
+    lse2 = gl.load(stats + offs_m)
+    delta = gl.load(stats + BLOCK_M + offs_m)
+    s_tok = warpgroup_mma(q, k_smem.permute((1, 0)), gl.zeros([BLOCK_M, BLOCK_N], gl.float32, L_S),
+                          use_acc=False, is_async=True)
+    dp_tok = warpgroup_mma(do, v_smem.permute((1, 0)), gl.zeros([BLOCK_M, BLOCK_N], gl.float32, L_S),
+                           use_acc=False, is_async=True)
+    # Waiting for S retires the last tile's dV and dK as well; after the barrier neither
+    # warp group reads its Q/dO stage, P or dS any more.
+    s, dk, dv = warpgroup_mma_wait(1, deps=(s_tok, dk, dv))
+    gl.thread_barrier()
+    nxt = i + STAGES - 1
+    _load_query_tile(q_desc, do_desc, q_smem, do_smem, ready, nxt % STAGES, q_row0 + lo + nxt * BLOCK_M,
+                     nxt < n_iter)
+    p = gl.exp2(s * qk_scale - gl.expand_dims(lse2, 1))
+    if masked:
+        rows = start_m + offs_m
+        p = gl.where(gl.expand_dims(rows, 1) >= gl.expand_dims(cols, 0), p, 0.0)
+    p_smem.store(p.to(dtype))
+    dp = warpgroup_mma_wait(0, deps=(dp_tok,))
+    ds = p * (dp - gl.expand_dims(delta, 1)) * scale
+    ds_smem.store(ds.to(dtype))
+    fence_async_shared()
+    gl.thread_barrier()
+    dq_tok = warpgroup_mma(ds_smem, k_smem, gl.zeros([BLOCK_M, HEAD_D], gl.float32, L_DQ), use_acc=False,
+                           is_async=True)
+    dv = warpgroup_mma(p_smem.permute((1, 0)), do, dv, is_async=True)
+    dk = warpgroup_mma(ds_smem.permute((1, 0)), q, dk, is_async=True)
+    dq = warpgroup_mma_wait(2, deps=(dq_tok,))  # dV and dK stay in flight into the next tile
+    tma.store_wait(0)  # the last tile's reduce has read dq_smem
+    gl.thread_barrier()
+    dq_smem.store(dq)
+    fence_async_shared()
+    gl.thread_barrier()
+    _tma_reduce_add(dq_desc, [(q_row0 + start_m) // BLOCK_M * dq_box.shape[0], 0], dq_box)
+    return dk, dv
+
+
+@gluon.jit
 def _attn_bwd_hopper_kernel(q_desc, k_desc, v_desc, do_desc, dq_desc, DK, DV, STATS, qk_scale, scale, SQ, SK,
                             IS_CAUSAL: gl.constexpr, HEAD_D: gl.constexpr, BLOCK_M: gl.constexpr,
-                            BLOCK_N: gl.constexpr, STAGES: gl.constexpr, num_warps: gl.constexpr):
+                            BLOCK_N: gl.constexpr, STAGES: gl.constexpr, PEEL_DIAGONAL: gl.constexpr,
+                            num_warps: gl.constexpr):
     # q/dO descriptors read [B·H·SQ, D] and k/v [B·H·SK, D]; dQ's, one query tile per box of its
     # fp32 buffer (``_fragments_desc``); SQ and SK are whole tiles.
     start_n = gl.program_id(0) * BLOCK_N
@@ -127,48 +186,16 @@ def _attn_bwd_hopper_kernel(q_desc, k_desc, v_desc, do_desc, dq_desc, DK, DV, ST
     offs_m = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, L_S))
     cols = start_n + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, L_S))
     mbarrier.wait(kv_bar, 0)
-    for i in range(n_iter):
-        stage = i % STAGES
-        mbarrier.wait(ready.index(stage), (i // STAGES) & 1)
-        q = q_smem.index(stage)
-        do = do_smem.index(stage)
-        start_m = lo + i * BLOCK_M
-        rows = start_m + offs_m
-        stats = STATS + (q_row0 + start_m) * 2  # this tile's lse·log2(e), then its delta
-        lse2 = gl.load(stats + offs_m)
-        delta = gl.load(stats + BLOCK_M + offs_m)
-        s_tok = warpgroup_mma(q, k_smem.permute((1, 0)), gl.zeros([BLOCK_M, BLOCK_N], gl.float32, L_S),
-                              use_acc=False, is_async=True)
-        dp_tok = warpgroup_mma(do, v_smem.permute((1, 0)), gl.zeros([BLOCK_M, BLOCK_N], gl.float32, L_S),
-                               use_acc=False, is_async=True)
-        # Waiting for S retires the last tile's dV and dK as well; after the barrier neither
-        # warp group reads its Q/dO stage, P or dS any more.
-        s, dk, dv = warpgroup_mma_wait(1, deps=(s_tok, dk, dv))
-        gl.thread_barrier()
-        nxt = i + STAGES - 1
-        _load_query_tile(q_desc, do_desc, q_smem, do_smem, ready, nxt % STAGES, q_row0 + lo + nxt * BLOCK_M,
-                         nxt < n_iter)
-        p = gl.exp2(s * qk_scale - gl.expand_dims(lse2, 1))
-        if IS_CAUSAL:
-            if start_m < start_n + BLOCK_N:
-                p = gl.where(gl.expand_dims(rows, 1) >= gl.expand_dims(cols, 0), p, 0.0)
-        p_smem.store(p.to(dtype))
-        dp = warpgroup_mma_wait(0, deps=(dp_tok,))
-        ds = p * (dp - gl.expand_dims(delta, 1)) * scale
-        ds_smem.store(ds.to(dtype))
-        fence_async_shared()
-        gl.thread_barrier()
-        dq_tok = warpgroup_mma(ds_smem, k_smem, gl.zeros([BLOCK_M, HEAD_D], gl.float32, L_DQ), use_acc=False,
-                               is_async=True)
-        dv = warpgroup_mma(p_smem.permute((1, 0)), do, dv, is_async=True)
-        dk = warpgroup_mma(ds_smem.permute((1, 0)), q, dk, is_async=True)
-        dq = warpgroup_mma_wait(2, deps=(dq_tok,))  # dV and dK stay in flight into the next tile
-        tma.store_wait(0)  # the last tile's reduce has read dq_smem
-        gl.thread_barrier()
-        dq_smem.store(dq)
-        fence_async_shared()
-        gl.thread_barrier()
-        _tma_reduce_add(dq_desc, [(q_row0 + start_m) // BLOCK_M * dq_box.shape[0], 0], dq_box)
+    args = (q_desc, do_desc, dq_desc, k_smem, v_smem, q_smem, do_smem, p_smem, ds_smem, dq_smem, dq_box, ready, STATS,
+            qk_scale, scale, q_row0, lo, n_iter, offs_m, cols)
+    if PEEL_DIAGONAL:  # causal: the tiles reaching the diagonal, then an unmasked loop (configs.py says why)
+        for i in range(BLOCK_N // BLOCK_M):
+            dk, dv = _bwd_query_tile(i, dk, dv, *args, True)
+        for i in range(BLOCK_N // BLOCK_M, n_iter):
+            dk, dv = _bwd_query_tile(i, dk, dv, *args, False)
+    else:
+        for i in range(n_iter):
+            dk, dv = _bwd_query_tile(i, dk, dv, *args, IS_CAUSAL and lo + i * BLOCK_M < start_n + BLOCK_N)
     dk, dv = warpgroup_mma_wait(0, deps=(dk, dv))
     tma.store_wait(0)
     mbarrier.invalidate(kv_bar)
@@ -395,6 +422,6 @@ def hopper_bwd(dout, q, k, v, out, lse, is_causal: bool, scale: float):
         _rows_desc(do4, t.block_m), _fragments_desc(dq), dk, dv, stats,
         scale * LOG2E, scale, SQ, SK,
         IS_CAUSAL=is_causal, HEAD_D=D, BLOCK_M=t.block_m, BLOCK_N=t.block_n, STAGES=t.num_stages,
-        num_warps=t.num_warps,
+        PEEL_DIAGONAL=is_causal and HOPPER_BWD_PEEL_DIAGONAL[D], num_warps=t.num_warps,
     )
     return dq_from_fragments(dq, q.dtype).view(q.shape), dk.view(k.shape), dv.view(v.shape)
