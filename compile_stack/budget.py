@@ -50,9 +50,10 @@ SCRATCH_BYTES = 2 * memory.CE_CHUNK_BYTES
 SEARCH_STEPS = 6
 # The budgets whose plans an offloading graph compares with its fitting plan (above its budget).
 OFFLOAD_BUDGETS = tuple(b / 20 for b in range(20, 0, -1))
-# The share of the host's memory an offloading step may pin: the rest is the process's, its
-# compile workers' and the machine's. Of the physical memory, not of what is free now, so the
-# plan (and the compile caches keyed by it) is the same from run to run.
+# The share of the host's memory an offloading step may pin unless told otherwise
+# (``compile_step(offload_activations=share)``): the rest is the process's, its compile workers'
+# and the machine's. Of the physical memory, not of what is free now, so the plan (and the
+# compile caches keyed by it) is the same from run to run.
 HOST_FRACTION = 0.75
 
 
@@ -93,13 +94,13 @@ class MemoryLedger:
         self.working = 0  # the largest working set of any graph planned so far
 
     @classmethod
-    def for_device(cls, device: torch.device, optimizers: list, offload: bool = False) -> "MemoryLedger":
-        """The ledger of a step on ``device``; with ``offload``, saved activations may also take
-        HOST_FRACTION of the host's memory. It holds the optimizers weakly:
+    def for_device(cls, device: torch.device, optimizers: list, host_share: float = 0.0) -> "MemoryLedger":
+        """The ledger of a step on ``device``; saved activations may also take ``host_share`` of the
+        host's memory (0: offload off). It holds the optimizers weakly:
         Dynamo's caches keep our backends, and through them this ledger, alive after the step
         is gone."""
         refs = [weakref.ref(opt) for opt in optimizers]
-        host = int(HOST_FRACTION * memory.device_bytes(torch.device("cpu"))) if offload else 0
+        host = int(host_share * memory.device_bytes(torch.device("cpu")))
         return cls(memory.USABLE_FRACTION * memory.device_bytes(device), lambda: torch.cuda.memory_allocated(device),
                    lambda: lazy_optimizer_state_bytes([opt for ref in refs if (opt := ref()) is not None]), host, device)
 

@@ -35,10 +35,11 @@ import torch
 
 from compile_stack import host_pinning, settings
 from compile_stack.blocks import BlockCalls
-from compile_stack.budget import MemoryLedger
+from compile_stack.budget import HOST_FRACTION, MemoryLedger
 from compile_stack.capture import PassBackend
 from compile_stack.inspection import InspectionWriter
 from compile_stack.targets import TargetsCheck
+from custom_ops.activation_offload import TRANSFERS
 from custom_ops.checks import require
 from passes.registry import note
 
@@ -55,8 +56,9 @@ class StepOptions:
     blocks: bool = True  # compile repeated blocks once for all of them (blocks.py)
     # Compile each backward with its forward rather than at the first backward().
     backward_now: bool = False
-    # Move what a plan saves beyond the GPU's room to pinned host memory (offload.py).
-    offload_activations: bool = False
+    # Move what a plan saves beyond the GPU's room to pinned host memory (offload.py), within this
+    # share of the host's memory (0: offload off).
+    offload_host_share: float = 0.0
 
 
 def backend_factory(options: StepOptions, inspect: bool = True,
@@ -69,16 +71,16 @@ def backend_factory(options: StepOptions, inspect: bool = True,
                              backward_now=options.backward_now, ledger=ledger)
 
 
-def step_ledger(optimizers: list, models: list, offload: bool = False) -> MemoryLedger | None:
-    """The memory ledger of a step whose parameters live on a GPU (``offload``: its saved
-    activations may use host memory too); None on a CPU (the partitioner's own default budget
+def step_ledger(optimizers: list, models: list, host_share: float = 0.0) -> MemoryLedger | None:
+    """The memory ledger of a step whose parameters live on a GPU (its saved activations may also
+    take ``host_share`` of the host's memory); None on a CPU (the partitioner's own default budget
     applies there)."""
     params = [p for m in models for p in m.parameters()]
     params += [p for opt in optimizers for g in getattr(opt, "param_groups", ()) for p in g["params"]]
     devices = {p.device for p in params if isinstance(p, torch.Tensor)}
     if len(devices) != 1 or next(iter(devices)).type != "cuda":
         return None
-    return MemoryLedger.for_device(next(iter(devices)), optimizers, offload)
+    return MemoryLedger.for_device(next(iter(devices)), optimizers, host_share)
 
 
 def is_optimizer(obj) -> bool:
@@ -320,8 +322,10 @@ class CompiledStep:
             settings.use_cache_dir(options.cache_dir)
         optimizers = find_reachable(train_step, is_optimizer)
         models = find_reachable(train_step, lambda obj: isinstance(obj, torch.nn.Module))
-        self.ledger = (step_ledger(optimizers, models, options.offload_activations)
+        self.ledger = (step_ledger(optimizers, models, options.offload_host_share)
                        if options.memory_budget is None else None)
+        if self.ledger is not None and self.ledger.host_capacity:
+            TRANSFERS.pool.limit_spares(self.ledger.host_capacity)
         backend = backend_factory(options, ledger=self.ledger)
         self.backend = backend(name="model", outline_blocks=options.blocks)
         self.optimizer_backend = backend(name="optimizer")
@@ -358,7 +362,7 @@ class CompiledStep:
 
 def compile_step(train_step: Callable, *, passes: list[str] | None = None, memory_budget: float | None = None,
                  inspect_dir: str | Path | None = None, cache_dir: str | Path | None = None,
-                 codegen: bool = True, blocks: bool = True, offload_activations: bool = False) -> CompiledStep:
+                 codegen: bool = True, blocks: bool = True, offload_activations: bool | float = False) -> CompiledStep:
     """Compile the user's own train step with our passes; returns a callable that behaves the same.
 
     ``train_step`` is the function as written: zero-grad, forward, loss,
@@ -371,14 +375,19 @@ def compile_step(train_step: Callable, *, passes: list[str] | None = None, memor
     ``blocks`` (False: inline repeated blocks instead of compiling one for all),
     ``offload_activations`` (on a GPU without a fixed ``memory_budget``: when the
     plan that fits the device recomputes values a larger budget would save, keep
-    those in pinned host memory between forward and backward instead, as far as
-    the host has room; see ``offload.py``).
+    those in pinned host memory between forward and backward instead, within
+    ``budget.HOST_FRACTION`` of the host's memory, or this share of it if a float
+    in (0, 1) is given; see ``offload.py``).
     """
     if memory_budget is not None:
         require(isinstance(memory_budget, (int, float)) and 0.0 <= memory_budget <= 1.0, "memory_budget",
                 "a fraction in [0, 1]", memory_budget)
+    require(isinstance(offload_activations, bool) or (isinstance(offload_activations, float)
+                                                      and 0.0 < offload_activations < 1.0), "offload_activations",
+            "True, False or the share of the host's memory to use, a float in (0, 1)", offload_activations)
     require(not (offload_activations and memory_budget is not None), "offload_activations",
             "False with a fixed memory_budget (offload extends the plan chosen per graph)", offload_activations)
+    host_share = HOST_FRACTION if offload_activations is True else float(offload_activations)
     options = StepOptions(
         passes=list(passes) if passes is not None else None,
         inspect_dir=Path(inspect_dir) if inspect_dir is not None else None,
@@ -386,6 +395,6 @@ def compile_step(train_step: Callable, *, passes: list[str] | None = None, memor
         cache_dir=Path(cache_dir) if cache_dir is not None else None,
         codegen=codegen,
         blocks=blocks,
-        offload_activations=offload_activations,
+        offload_host_share=host_share,
     )
     return CompiledStep(train_step, options)

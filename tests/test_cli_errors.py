@@ -42,6 +42,8 @@ CASES = [
     ("--profile {under_file}/trace.json", "--profile: expected a writable file path"),
     ("--offload-activations", "--offload-activations: needs --compile and the budget chosen per graph"),
     ("--compile --offload-activations --memory-budget 0.5", "--offload-activations: needs --compile and the budget"),
+    ("--compile --offload-activations 1.2", "--offload-activations: expected a share of the host's memory in (0, 1)"),
+    ("--compile --offload-activations 0", "--offload-activations: expected a share of the host's memory in (0, 1)"),
 ]
 
 

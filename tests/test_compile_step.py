@@ -9,6 +9,7 @@ import torch.nn.functional as F
 import compile_stack
 import run_step
 from compile_stack import blocks
+from compile_stack.budget import HOST_FRACTION
 from passes import registry
 from tests import user_models
 from tests.user_corpus import VOCAB, batches, make_train_step, mean_cross_entropy
@@ -127,6 +128,15 @@ def test_compile_step_refuses_bad_arguments():
         compile_stack.compile_step("not a function")
     with pytest.raises(ValueError, match="memory_budget"):
         compile_stack.compile_step(lambda: None, memory_budget=1.5)
+    for share in (1.0, 0.0, 1, "0.5", -0.2):
+        with pytest.raises(ValueError, match=r"offload_activations: expected True, False or the share of the host"):
+            compile_stack.compile_step(lambda: None, offload_activations=share)
+
+
+@pytest.mark.parametrize("offload, share", [(False, 0.0), (True, HOST_FRACTION), (0.9, 0.9)])
+def test_offload_activations_gives_the_host_share(offload, share):
+    """True offloads within the default share of the host's memory, a float within that share."""
+    assert compile_stack.compile_step(lambda: None, offload_activations=offload).options.offload_host_share == share
 
 
 def test_user_step_without_an_optimizer_in_reach_still_compiles():

@@ -280,6 +280,22 @@ def test_pool_pins_ahead_what_a_step_needed(monkeypatch):
     assert len({b.data_ptr() for b in large}) == 3
 
 
+def test_pool_pins_spares_only_within_its_limit(monkeypatch):
+    """Without a limit a buffer taken starts SPARES more of its size; with one, only as many as
+    the limit leaves room for; a buffer a step asks for is pinned regardless."""
+    monkeypatch.setattr(host_buffers, "_pinned", lambda n: torch.empty(n, dtype=torch.uint8))
+    for limit, spares in ((None, [host_buffers.SPARES]), (3500, [2])):
+        pool = host_buffers.HostBufferPool()
+        if limit is not None:
+            pool.limit_spares(limit)
+        submitted = []
+        monkeypatch.setattr(pool, "_submit", lambda nbytes, count: submitted.append(count))
+        held = [pool.acquire(1000)[:]]
+        assert submitted == spares
+    held += [pool.acquire(1000)[:] for _ in range(4)]  # (the spares were never pinned: _submit is mocked)
+    assert pool.pinned_bytes() == 5000 and submitted == [2, 1]  # room for one more spare, then none
+
+
 def test_remembered_buffers_are_keyed_by_what_decides_the_plan(monkeypatch, tmp_path):
     from compile_stack import host_pinning, settings
 

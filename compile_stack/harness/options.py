@@ -46,6 +46,8 @@ def check_args(args, p: argparse.ArgumentParser) -> None:
         p.error(f"--memory-budget: expected a fraction in [0, 1], got {args.memory_budget}")
     if args.offload_activations and (not args.compile or args.memory_budget is not None):
         p.error("--offload-activations: needs --compile and the budget chosen per graph (no --memory-budget)")
+    if not isinstance(args.offload_activations, bool) and not 0.0 < args.offload_activations < 1.0:
+        p.error(f"--offload-activations: expected a share of the host's memory in (0, 1), got {args.offload_activations}")
     if args.offload_activations and int(os.environ.get("WORLD_SIZE", "1")) > 1:
         p.error("--offload-activations: one GPU only (not built for FSDP2 under torchrun)")
     for option in ("model", "loss", "optimizer"):

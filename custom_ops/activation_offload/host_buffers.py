@@ -7,7 +7,8 @@ take what they hold. Pinning costs ~0.08 s per GiB on the H200 host (pages
 faulted in by a fill, then locked), so a buffer taken from the pool starts
 the pinning of spares of its size on background threads, and a step's later
 offloads find them ready or nearly; up to SPARES buffers beyond a step's
-need stay pinned. A buffer is free again when no tensor but the pool's
+need stay pinned, as far as the bytes pinned stay within ``limit_spares``
+(the host share the offloading step was given). A buffer is free again when no tensor but the pool's
 own views its memory: a saved activation keeps its buffer until autograd lets
 it go, however long that is. ``needed()`` says how many of each size a step
 held at once, and ``pin_ahead`` pins that many in the background before a step
@@ -60,6 +61,7 @@ class HostBufferPool:
         self._pending: dict[int, list[Future]] = {}  # nbytes -> buffers being pinned
         self._needed: dict[int, int] = {}  # nbytes -> the most buffers of that size held at once
         self._executor: ThreadPoolExecutor | None = None
+        self._spares_limit: int | None = None  # bytes pinned beyond which no spare is pinned
 
     def acquire(self, nbytes: int) -> torch.Tensor:
         """A pinned uint8 buffer of ``nbytes`` that no other tensor views; pinned now if none is."""
@@ -93,6 +95,17 @@ class HostBufferPool:
             self._executor = ThreadPoolExecutor(PIN_THREADS, thread_name_prefix="pin-host")
         self._pending.setdefault(nbytes, []).extend(self._executor.submit(_pinned, nbytes) for _ in range(count))
 
+    def limit_spares(self, nbytes: int) -> None:
+        """Pin spares only while the pool's bytes (pinned or being pinned) stay within ``nbytes``;
+        buffers a step asks for are pinned regardless."""
+        with self._lock:
+            self._spares_limit = nbytes
+
+    def _claimed(self) -> int:
+        """Bytes pinned or being pinned (the lock held)."""
+        return sum(n * (len(self._buffers.get(n, ())) + len(self._pending.get(n, ())))
+                   for n in self._buffers.keys() | self._pending.keys())
+
     def needed(self) -> dict[int, int]:
         """The most buffers of each size held at once so far."""
         with self._lock:
@@ -102,8 +115,7 @@ class HostBufferPool:
         """Start pinning buffers up to ``needed`` of each size (nbytes -> count), within ``limit``
         bytes pinned or being pinned in all, largest sizes first."""
         with self._lock:
-            total = sum(n * (len(self._buffers.get(n, ())) + len(self._pending.get(n, ())))
-                        for n in self._buffers.keys() | self._pending.keys())
+            total = self._claimed()
             for nbytes, count in sorted(needed.items(), reverse=True):
                 have = len(self._buffers.setdefault(nbytes, [])) + len(self._pending.setdefault(nbytes, []))
                 more = max(0, min(count - have, (limit - total) // nbytes))
@@ -115,6 +127,8 @@ class HostBufferPool:
         with self._lock:
             free = sum(is_free(b) for b in self._buffers[nbytes] if b is not taken)
             missing = SPARES - free - len(self._pending[nbytes])
+            if self._spares_limit is not None:
+                missing = min(missing, (self._spares_limit - self._claimed()) // nbytes)
             if missing > 0:
                 self._submit(nbytes, missing)
 
