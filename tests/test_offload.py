@@ -284,7 +284,8 @@ def test_pool_pins_spares_only_within_its_limit(monkeypatch):
     """Without a limit a buffer taken starts SPARES more of its size; with one, only as many as
     the limit leaves room for; a buffer a step asks for is pinned regardless."""
     monkeypatch.setattr(host_buffers, "_pinned", lambda n: torch.empty(n, dtype=torch.uint8))
-    for limit, spares in ((None, [host_buffers.SPARES]), (3500, [2])):
+    monkeypatch.setattr(host_buffers, "SPARES", 4)
+    for limit, spares in ((None, [4]), (3500, [2])):
         pool = host_buffers.HostBufferPool()
         if limit is not None:
             pool.limit_spares(limit)
@@ -294,6 +295,18 @@ def test_pool_pins_spares_only_within_its_limit(monkeypatch):
         assert submitted == spares
     held += [pool.acquire(1000)[:] for _ in range(4)]  # (the spares were never pinned: _submit is mocked)
     assert pool.pinned_bytes() == 5000 and submitted == [2, 1]  # room for one more spare, then none
+
+
+def test_huge_page_advice_covers_the_whole_huge_pages_inside_a_buffer():
+    page = host_buffers.HUGE_PAGE
+    buffer = torch.empty(5 * page + 12345, dtype=torch.uint8)
+    start, end = host_buffers.advise_huge_pages(buffer)
+    assert start % page == 0 and end % page == 0
+    assert buffer.data_ptr() <= start < buffer.data_ptr() + page and end - start >= 4 * page
+    assert end <= buffer.data_ptr() + buffer.numel()
+    small = torch.empty(page // 2, dtype=torch.uint8)
+    start, end = host_buffers.advise_huge_pages(small)
+    assert start == end
 
 
 def test_remembered_buffers_are_keyed_by_what_decides_the_plan(monkeypatch, tmp_path):
