@@ -1,7 +1,7 @@
 """The pinned host buffers an offloading step needed, remembered for its next start.
 
-Pinning is slow (~12 GiB/s on the H200 host: the full preset's 91 GiB take
-~7.6 s), and a step's first forward pins what it offloads as it goes, so a
+Pinning is slow (15-17 GiB/s on the H200 host: the full preset's 91-108 GiB take
+~6-7 s), and a step's first forward pins what it offloads as it goes, so a
 warm start waited for it after its tracing. The buffers a step needed (how
 many of each size at once) are written beside the compile caches after its
 first call, keyed by what decides them: the step's inputs and parameters,
