@@ -4,15 +4,16 @@ torch's pinned allocator rounds each block up to a power of two (a 1.34 GiB
 activation would take 2 GiB of a host that has no memory to spare), so these
 are plain host allocations registered with CUDA (``cudaHostRegister``), which
 take what they hold. Pinning costs ~0.06 s per GiB on the H200 host (pages
-faulted in by a fill, then locked; 2 MiB pages where Linux gives them), so a buffer taken from the pool starts
-the pinning of spares of its size on background threads, and a step's later
-offloads find them ready or nearly; up to SPARES buffers beyond a step's
-need stay pinned, as far as the bytes pinned stay within ``limit_spares``
-(the host share the offloading step was given). A buffer is free again when no tensor but the pool's
-own views its memory: a saved activation keeps its buffer until autograd lets
-it go, however long that is. ``needed()`` says how many of each size a step
-held at once, and ``pin_ahead`` pins that many in the background before a step
-asks (a warm start: compile_stack/host_pinning.py remembers them beside the caches).
+faulted in by a fill, in 2 MiB pages where Linux gives them, then locked), so
+a buffer taken from the pool starts the pinning of spares of its size on a
+background thread, and a step's later offloads find them ready or nearly; up
+to SPARES buffers beyond a step's need stay pinned, as far as the bytes pinned
+stay within ``limit_spares`` (the host share the offloading step was given).
+A buffer is free again when no tensor but the pool's own views its memory: a
+saved activation keeps its buffer until autograd lets it go, however long
+that is. ``needed()`` says how many of each size a step held at once, and
+``pin_ahead`` pins that many in the background before a step asks (a warm
+start: compile_stack/host_pinning.py remembers them beside the caches).
 """
 import ctypes
 import threading
