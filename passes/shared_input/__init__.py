@@ -33,6 +33,7 @@ from torch.utils import _pytree as pytree
 from torch.fx.node import map_arg
 from torch.utils.checkpoint import CheckpointPolicy
 
+from passes import graph_edit
 from passes.registry import note, register_pass
 from passes.shared_input.forms import WeightProduct, example, weight_product
 
@@ -185,10 +186,15 @@ def recompute_concatenations_and_splits(graph: torch.fx.Graph) -> int:
     - A concatenation of graph inputs (and a cast of it): saving ``[W1; W3]`` would keep a copy
       of the weights per layer, while recomputing it costs one copy from inputs the backward
       holds anyway (the partitioner counts it materialized in the backward, read by a matmul).
-    - The parts of a split, and the views between it and the tensor split: saving a part keeps
-      the whole tensor alive, uncounted, and a view cannot move to host memory (offload.py);
-      the partitioner saves the dense tensor instead and the views are free to redo.
+    - The parts of a split the backward reads (SwiGLU's two halves), and the views between the
+      split and the tensor split: saving a part keeps the whole tensor alive, uncounted, and a
+      view cannot move to host memory (offload.py); the partitioner saves the dense tensor
+      instead and the views are free to redo. Parts the backward reads only through other
+      values (Q/K/V through RoPE and attention's copy of V) stay the partitioner's choice: the
+      whole of ``[q k v]`` would be one value, too big to place as the separate ones can be.
     """
+    tangents = [n for n in graph.find_nodes(op="placeholder") if n.name.startswith("tangents")]
+    backward = graph_edit.reachable(tangents, lambda n: n.users)
     marked, roots = [], 0
     for node in graph.nodes:
         if node.op != "call_function":
@@ -197,7 +203,7 @@ def recompute_concatenations_and_splits(graph: torch.fx.Graph) -> int:
                 and all(i.op == "placeholder" for i in node.args[0]):
             marked += [node, *(u for u in node.users if u.target in _CASTS)]
             roots += 1
-        elif node.target in _SPLITS:
+        elif node.target in _SPLITS and any(u in backward for part in node.users for u in part.users):
             marked += [node, *node.users]
             roots += 1
             source = node.args[0]
