@@ -76,14 +76,6 @@ def use_cache_dir(path: Path | None = None, fresh: bool = False) -> Path:
     return path
 
 
-# Inductor's limits on a concatenation lowered as one masked kernel over its output, computing
-# every input's expression at each element; at 0 each input's producer writes its slice of the
-# output instead (ConcatKernel). The masked form made the 8B step's gradient concatenations
-# (SwiGLU's two halves, Q/K/V's three after RoPE) 2.2x and 4x slower than their producers alone.
-# (The second name is newer than some torch releases: set where it exists.)
-CONCAT_IN_PLACE = ("max_pointwise_cat_inputs", "max_complex_pointwise_cat_inputs")
-
-
 def inductor_options(on_gpu: bool = False) -> dict:
     """Inductor config for our compiles; ``on_gpu``: for a graph whose inputs live on a GPU."""
     options = {
@@ -94,7 +86,6 @@ def inductor_options(on_gpu: bool = False) -> dict:
     }
     if on_gpu:
         options["cpp.vec_isa_ok"] = False  # no ISA probe for its scalar C++ kernels (module docstring)
-        options.update({name: 0 for name in CONCAT_IN_PLACE if hasattr(torch._inductor.config, name)})
     return options
 
 
