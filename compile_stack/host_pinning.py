@@ -46,11 +46,11 @@ def _read() -> dict:
         return {}
 
 
-def pin_remembered(key: str, limit: int) -> None:
-    """Start pinning the buffers the step of ``key`` needed last time, within ``limit`` bytes."""
+def pin_remembered(key: str) -> None:
+    """Start pinning the buffers the step of ``key`` needed last time, within the pool's limit."""
     needed = _read().get(key)
     if needed:
-        TRANSFERS.pool.pin_ahead({int(n): int(c) for n, c in needed.items()}, limit)
+        TRANSFERS.pool.pin_ahead({int(n): int(c) for n, c in needed.items()})
 
 
 def remember(key: str) -> None:

@@ -325,7 +325,7 @@ class CompiledStep:
         self.ledger = (step_ledger(optimizers, models, options.offload_host_share)
                        if options.memory_budget is None else None)
         if self.ledger is not None and self.ledger.host_capacity:
-            TRANSFERS.pool.limit_spares(self.ledger.host_capacity)
+            TRANSFERS.pool.limit(self.ledger.host_capacity)
         backend = backend_factory(options, ledger=self.ledger)
         self.backend = backend(name="model", outline_blocks=options.blocks)
         self.optimizer_backend = backend(name="optimizer")
@@ -345,7 +345,7 @@ class CompiledStep:
         pinning = None
         if not self.called and self.ledger is not None and self.ledger.host_capacity and torch.cuda.is_available():
             pinning = host_pinning.step_key(args, self.models, self.ledger.capacity, self.ledger.host_capacity)
-            host_pinning.pin_remembered(pinning, self.ledger.host_capacity)  # under the first call's tracing
+            host_pinning.pin_remembered(pinning)  # under the first call's tracing
         self.called = True
         with contextlib.ExitStack() as stack:
             stack.enter_context(self.backend.active())  # the backward may be compiled in this call

@@ -275,7 +275,8 @@ def test_pool_pins_ahead_what_a_step_needed(monkeypatch):
     assert pool.needed() == {1000: 3}
 
     fresh = host_buffers.HostBufferPool()
-    fresh.pin_ahead({1000: 3, 10**6: 5}, limit=3 * 10**6 + 1000)  # the limit admits 3 of the large ones
+    fresh.limit(3 * 10**6 + 1000)  # admits 3 of the large ones
+    fresh.pin_ahead({1000: 3, 10**6: 5})
     monkeypatch.setattr(fresh, "_add", lambda n: pinned_here.append(n))
     large = [fresh.acquire(10**6)[:] for _ in range(3)]
     assert pinned_here == [] and all(b.numel() == 10**6 for b in large)
@@ -290,7 +291,7 @@ def test_pool_pins_spares_only_within_its_limit(monkeypatch):
     for limit, spares in ((None, [4]), (3500, [2])):
         pool = host_buffers.HostBufferPool()
         if limit is not None:
-            pool.limit_spares(limit)
+            pool.limit(limit)
         submitted = []
         monkeypatch.setattr(pool, "_submit", lambda nbytes, count: submitted.append(count))
         held = [pool.acquire(1000)[:]]
@@ -321,8 +322,8 @@ def test_remembered_buffers_are_keyed_by_what_decides_the_plan(monkeypatch, tmp_
         def needed(self):
             return {2**30: 68}
 
-        def pin_ahead(self, needed, limit):
-            asked.append((needed, limit))
+        def pin_ahead(self, needed):
+            asked.append(needed)
 
     monkeypatch.setattr(host_pinning.TRANSFERS, "pool", Pool())
     model = nn.Linear(4, 4)
@@ -332,14 +333,14 @@ def test_remembered_buffers_are_keyed_by_what_decides_the_plan(monkeypatch, tmp_
               host_pinning.step_key((torch.zeros(2, 8, dtype=torch.long),), [nn.Linear(4, 5)], 1e11, 2**36),
               host_pinning.step_key((torch.zeros(2, 8, dtype=torch.long),), [model], 1e11, 2**35)]
     assert key not in others
-    host_pinning.pin_remembered(key, 2**36)
+    host_pinning.pin_remembered(key)
     assert asked == []  # nothing remembered yet
     host_pinning.remember(key)
-    host_pinning.pin_remembered(others[0], 2**36)
-    host_pinning.pin_remembered(key, 2**36)
-    assert asked == [({2**30: 68}, 2**36)]
+    host_pinning.pin_remembered(others[0])
+    host_pinning.pin_remembered(key)
+    assert asked == [{2**30: 68}]
     (tmp_path / "inductor" / host_pinning.FILE).write_text("{not json")
-    host_pinning.pin_remembered(key, 2**36)  # a damaged file is ignored
+    host_pinning.pin_remembered(key)  # a damaged file is ignored
     assert len(asked) == 1
     monkeypatch.setenv(settings.CACHE_ENV, str(tmp_path / "inductor" / host_pinning.FILE))  # not a directory
     host_pinning.remember(key)  # nothing written, nothing raised

@@ -8,7 +8,7 @@ faulted in by a fill, in 2 MiB pages where Linux gives them, then locked), so
 a buffer taken from the pool starts the pinning of spares of its size on a
 background thread, and a step's later offloads find them ready or nearly; up
 to SPARES buffers beyond a step's need stay pinned, as far as the bytes pinned
-stay within ``limit_spares`` (the host share the offloading step was given).
+stay within the pool's ``limit`` (the host share the offloading step was given).
 A buffer is free again when no tensor but the pool's own views its memory: a
 saved activation keeps its buffer until autograd lets it go, however long
 that is. ``needed()`` says how many of each size a step held at once, and
@@ -83,7 +83,7 @@ class HostBufferPool:
         self._pending: dict[int, list[Future]] = {}  # nbytes -> buffers being pinned
         self._needed: dict[int, int] = {}  # nbytes -> the most buffers of that size held at once
         self._executor: ThreadPoolExecutor | None = None
-        self._spares_limit: int | None = None  # bytes pinned beyond which no spare is pinned
+        self._limit: int | None = None  # bytes pinned beyond which nothing is pinned ahead
 
     def acquire(self, nbytes: int) -> torch.Tensor:
         """A pinned uint8 buffer of ``nbytes`` that no other tensor views; pinned now if none is."""
@@ -117,11 +117,11 @@ class HostBufferPool:
             self._executor = ThreadPoolExecutor(PIN_THREADS, thread_name_prefix="pin-host")
         self._pending.setdefault(nbytes, []).extend(self._executor.submit(_pinned, nbytes) for _ in range(count))
 
-    def limit_spares(self, nbytes: int) -> None:
-        """Pin spares only while the pool's bytes (pinned or being pinned) stay within ``nbytes``;
-        buffers a step asks for are pinned regardless."""
+    def limit(self, nbytes: int) -> None:
+        """Pin ahead (spares, ``pin_ahead``) only while the pool's bytes, pinned or being pinned,
+        stay within ``nbytes``; buffers a step asks for are pinned regardless."""
         with self._lock:
-            self._spares_limit = nbytes
+            self._limit = nbytes
 
     def _claimed(self) -> int:
         """Bytes pinned or being pinned (the lock held)."""
@@ -133,14 +133,16 @@ class HostBufferPool:
         with self._lock:
             return dict(self._needed)
 
-    def pin_ahead(self, needed: dict[int, int], limit: int) -> None:
-        """Start pinning buffers up to ``needed`` of each size (nbytes -> count), within ``limit``
-        bytes pinned or being pinned in all, largest sizes first."""
+    def pin_ahead(self, needed: dict[int, int]) -> None:
+        """Start pinning buffers up to ``needed`` of each size (nbytes -> count), within the pool's
+        limit, largest sizes first."""
         with self._lock:
             total = self._claimed()
             for nbytes, count in sorted(needed.items(), reverse=True):
                 have = len(self._buffers.setdefault(nbytes, [])) + len(self._pending.setdefault(nbytes, []))
-                more = max(0, min(count - have, (limit - total) // nbytes))
+                more = max(0, count - have)
+                if self._limit is not None:
+                    more = min(more, (self._limit - total) // nbytes)
                 self._submit(nbytes, more)
                 total += more * nbytes
 
@@ -149,8 +151,8 @@ class HostBufferPool:
         with self._lock:
             free = sum(is_free(b) for b in self._buffers[nbytes] if b is not taken)
             missing = SPARES - free - len(self._pending[nbytes])
-            if self._spares_limit is not None:
-                missing = min(missing, (self._spares_limit - self._claimed()) // nbytes)
+            if self._limit is not None:
+                missing = min(missing, (self._limit - self._claimed()) // nbytes)
             if missing > 0:
                 self._submit(nbytes, missing)
 
