@@ -274,6 +274,11 @@ def test_pool_pins_ahead_what_a_step_needed(monkeypatch):
     held.append(pool.acquire(1000)[:])
     assert pool.needed() == {1000: 3}
 
+    unlimited, submitted = host_buffers.HostBufferPool(), []
+    monkeypatch.setattr(unlimited, "_submit", lambda nbytes, count: submitted.append((nbytes, count)))
+    unlimited.pin_ahead({1000: 3, 10**6: 5})
+    assert submitted == [(10**6, 5), (1000, 3)]  # no limit: all of them, largest first
+
     fresh = host_buffers.HostBufferPool()
     fresh.limit(3 * 10**6 + 1000)  # admits 3 of the large ones
     fresh.pin_ahead({1000: 3, 10**6: 5})
