@@ -263,6 +263,37 @@ def test_gpu_host_buffers_are_exact_and_reused_once_free():
     assert TRANSFERS.pool.pinned_bytes() == 0
 
 
+def test_held_sources_are_let_go_when_copied_unheld_or_beyond_the_limit():
+    """A source copied out stays held until its copy is done, its host copy is dropped, or newer
+    sources pass ``in_flight`` bytes (oldest first); the newest is always kept."""
+    from custom_ops.activation_offload.transfers import Offloaded, Transfers
+
+    class Copy:  # a held source whose copy is done or not (no GPU here)
+        def __init__(self, nbytes, done):
+            self.nbytes, self.finished, self.released = nbytes, done, False
+            self.done = self
+
+        def query(self):
+            return self.finished
+
+        def release(self):
+            self.released = True
+
+    transfers = Transfers()
+    buffers = [torch.empty(100, dtype=torch.uint8) for _ in range(5)]
+    hosts = [b[:] for b in buffers]  # the saved host copies viewing each buffer
+    copies = [Copy(100, done) for done in (False, True, False, False, False)]
+    for buffer, copy in zip(buffers, copies):
+        transfers._offloaded.append(Offloaded(buffer, buffer.shape, buffer.dtype, torch.device("cpu")))
+        transfers._held[buffer.data_ptr()] = copy
+    del hosts[2]  # its host copy dropped: let go though its copy still runs
+    transfers._let_go(keep=buffers[4].data_ptr(), limit=150)
+    # 400 bytes held besides the newest: copy 1 is done, copy 2 unheld; then 200 > 150 lets the
+    # oldest left go, copy 0; copy 3 stays within the limit, copy 4 is the one kept.
+    assert [c.released for c in copies] == [True, True, True, False, False]
+    assert list(transfers._held) == [buffers[3].data_ptr(), buffers[4].data_ptr()]
+
+
 def test_pool_pins_ahead_what_a_step_needed(monkeypatch):
     """The pool counts the most buffers of a size held at once; pinning ahead that many (within
     the limit) hands them out without pinning in the caller."""

@@ -110,11 +110,11 @@ class Transfers:
         """Drop held sources whose copy has finished, or whose host copy nothing holds any more, and
         the oldest others beyond ``limit`` bytes (the main stream waiting for their copies)."""
         held = sum(c.nbytes for a, c in self._held.items() if a != keep)
+        buffers = {e.buffer.data_ptr(): e.buffer for e in self._offloaded}
         for address, copy in list(self._held.items()):
             if address == keep:
                 continue
-            buffer = next(e.buffer for e in self._offloaded if e.buffer.data_ptr() == address)
-            if copy.done.query() or is_free(buffer) or held > limit:
+            if copy.done.query() or is_free(buffers[address]) or held > limit:
                 copy.release()
                 del self._held[address]
                 held -= copy.nbytes
