@@ -173,7 +173,8 @@ def hopper_sources():
     fwd = configs.HOPPER_FWD
     for d, bwd in configs.HOPPER_BWD.items():
         for dtype, causal in ((torch.bfloat16, True), (torch.float16, False)):
-            tensor = mangle_type(torch.empty(0, dtype=dtype))
+            tma_epilogue = configs.HOPPER_BWD_TMA_EPILOGUE[d]
+            dkdv = _gluon_desc(bwd.block_n, dtype, d) if tma_epilogue else mangle_type(torch.empty(0, dtype=dtype))
             kernels = {
                 "hopper_fwd": (gluon_kernels._attn_fwd_hopper_kernel, fwd, {
                     "q_desc": _gluon_desc(fwd.block_m, dtype, d), "k_desc": _gluon_desc(fwd.block_n, dtype, d),
@@ -184,9 +185,10 @@ def hopper_sources():
                     "q_desc": _gluon_desc(bwd.block_m, dtype, d), "k_desc": _gluon_desc(bwd.block_n, dtype, d),
                     "v_desc": _gluon_desc(bwd.block_n, dtype, d), "do_desc": _gluon_desc(bwd.block_m, dtype, d),
                     "dq_desc": mangle_type(gluon_kernels._fragments_desc(torch.empty(512, d))),
-                    "DK": tensor, "DV": tensor,
+                    "DK": dkdv, "DV": dkdv,
                     "STATS": "*fp32", "qk_scale": "fp32", "scale": "fp32", "SQ": "i32", "SK": "i32",
-                }, {"PEEL_DIAGONAL": causal and configs.HOPPER_BWD_PEEL_DIAGONAL[d], "num_warps": bwd.num_warps}),
+                }, {"PEEL_DIAGONAL": causal and configs.HOPPER_BWD_PEEL_DIAGONAL[d], "TMA_EPILOGUE": tma_epilogue,
+                    "num_warps": bwd.num_warps}),
             }
             for name, (fn, t, sig, extra) in kernels.items():
                 constexprs = {"IS_CAUSAL": causal, "HEAD_D": d, "BLOCK_M": t.block_m, "BLOCK_N": t.block_n,

@@ -10,7 +10,9 @@ import pytest
 
 from custom_ops import attention as A
 
-HOPPER_BWD_SPILL_BYTES = 0  # register spill stores per thread the bf16 causal Gluon backward may have
+# Register spill stores per thread the bf16 causal Gluon backward may have: 4 since dK and dV go out
+# through shared memory and TMA stores (configs.HOPPER_BWD_TMA_EPILOGUE), which ran 1.9% faster.
+HOPPER_BWD_SPILL_BYTES = 4
 # Per head dim the forward, dK/dV, dQ and delta kernels, then the cross-entropy row kernel and
 # AdamW, the Newton–Schulz kernels (three symmetric products, two GEMMs) and the batched QR's (three
 # tile kernels, the streamed panel, two applies); on sm_90 also, per head dim they take, the two
@@ -41,7 +43,8 @@ def test_kernels_compile_for_gpu(arch):
         assert not report["spills"] and not any(name.startswith("hopper") for name in report["shared"])
         return
     # Measured on an H200 at one rank's shape (BENCHMARKS.md): 0 bytes (the diagonal tiles in a loop
-    # of their own) ran 43.0 ms against 43.5 for 80, 100 ran 44.6, and 188 ran 14% slower than 100.
+    # of their own) ran 43.0 ms against 43.5 for 80, 100 ran 44.6, and 188 ran 14% slower than 100;
+    # at the step's shape the TMA epilogue's 4 bytes ran 1.58 ms (1.9%) faster than 0 without it.
     spilled = report["spills"]["hopper_bwd bfloat16"]
     assert spilled <= HOPPER_BWD_SPILL_BYTES, f"the bf16 Gluon backward spills {spilled} bytes per thread"
     fwd_spills = {k: v for k, v in report["spills"].items() if k.startswith("hopper_fwd")}

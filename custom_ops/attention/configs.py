@@ -88,6 +88,10 @@ HOPPER_BWD = {d: Tiles(block_m=HOPPER_BWD_ROWS, block_n=128, num_warps=8, num_st
 # that leaves ptxas no spills (80 B with the mask tested in the loop) and ran 0.9-1.6% faster on
 # the H200; at D=64 (no spills either way) 4% slower (BENCHMARKS.md, 2026-12-01 fifth session).
 HOPPER_BWD_PEEL_DIAGONAL = {64: False, 128: True}
+# Whether the backward writes dK and dV through K's and V's shared-memory tiles and TMA stores,
+# per head dim, instead of straight from registers: at D=128 1.58 ms (1.9%) faster on the H200, at
+# D=64 0.74 ms (22%) slower (paired runs, BENCHMARKS.md, 2026-12-01 seventh session).
+HOPPER_BWD_TMA_EPILOGUE = {64: False, 128: True}
 HOPPER_HEAD_DIMS = tuple(HOPPER_BWD)
 DQ_FRAGMENT_ROW = 256  # the fp32 dQ buffer seen as rows of 256 for its TMA descriptor (the box's widest)
 

@@ -41,7 +41,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor as GluonTensorDescriptor
 
 from custom_ops.attention.configs import (
-    DQ_FRAGMENT_ROW, HOPPER_BWD, HOPPER_BWD_PEEL_DIAGONAL, HOPPER_BWD_ROWS, HOPPER_FWD, HOPPER_FWD_COMPUTE_REGS,
+    DQ_FRAGMENT_ROW, HOPPER_BWD, HOPPER_BWD_PEEL_DIAGONAL, HOPPER_BWD_ROWS, HOPPER_BWD_TMA_EPILOGUE, HOPPER_FWD, HOPPER_FWD_COMPUTE_REGS,
     HOPPER_HEAD_DIMS, LOG2E, _LN2)
 from custom_ops.attention.triton_kernels import _as_4d, _delta, _empty_bwd, _empty_fwd, _no_heads
 
@@ -142,9 +142,10 @@ def _bwd_query_tile(i, dk, dv, q_desc, do_desc, dq_desc, k_smem, v_smem, q_smem,
 def _attn_bwd_hopper_kernel(q_desc, k_desc, v_desc, do_desc, dq_desc, DK, DV, STATS, qk_scale, scale, SQ, SK,
                             IS_CAUSAL: gl.constexpr, HEAD_D: gl.constexpr, BLOCK_M: gl.constexpr,
                             BLOCK_N: gl.constexpr, STAGES: gl.constexpr, PEEL_DIAGONAL: gl.constexpr,
-                            num_warps: gl.constexpr):
+                            TMA_EPILOGUE: gl.constexpr, num_warps: gl.constexpr):
     # q/dO descriptors read [B·H·SQ, D] and k/v [B·H·SK, D]; dQ's, one query tile per box of its
-    # fp32 buffer (``_fragments_desc``); SQ and SK are whole tiles.
+    # fp32 buffer (``_fragments_desc``); DK and DV: [B·H·SK, D] descriptors if TMA_EPILOGUE, else
+    # pointers. SQ and SK are whole tiles.
     start_n = gl.program_id(0) * BLOCK_N
     zh = gl.program_id(1)
     q_row0 = zh * SQ
@@ -203,11 +204,22 @@ def _attn_bwd_hopper_kernel(q_desc, k_desc, v_desc, do_desc, dq_desc, DK, DV, ST
         mbarrier.invalidate(ready.index(i))
     # The key rows' base again from q_row0: one register less live through the loop, which
     # ptxas repays with fewer spills and the kernel with less time (BENCHMARKS.md).
-    out_rows = (q_row0 // SQ) * SK + start_n + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, L_KV))
-    out_cols = gl.arange(0, HEAD_D, layout=gl.SliceLayout(0, L_KV))
-    out = gl.expand_dims(out_rows.to(gl.int64) * HEAD_D, 1) + gl.expand_dims(out_cols, 0)
-    gl.store(DK + out, dk.to(dtype))
-    gl.store(DV + out, dv.to(dtype))
+    if TMA_EPILOGUE:  # through K's and V's tiles in shared memory: no matmul reads them any more
+        gl.thread_barrier()
+        k_smem.store(dk.to(dtype))
+        v_smem.store(dv.to(dtype))
+        fence_async_shared()
+        gl.thread_barrier()
+        key_row = (q_row0 // SQ) * SK + start_n
+        tma.async_copy_shared_to_global(DK, [key_row, 0], k_smem)
+        tma.async_copy_shared_to_global(DV, [key_row, 0], v_smem)
+        tma.store_wait(0)
+    else:
+        out_rows = (q_row0 // SQ) * SK + start_n + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, L_KV))
+        out_cols = gl.arange(0, HEAD_D, layout=gl.SliceLayout(0, L_KV))
+        out = gl.expand_dims(out_rows.to(gl.int64) * HEAD_D, 1) + gl.expand_dims(out_cols, 0)
+        gl.store(DK + out, dk.to(dtype))
+        gl.store(DV + out, dv.to(dtype))
 
 
 # --------------------------------------------------------------------------- forward
@@ -419,9 +431,11 @@ def hopper_bwd(dout, q, k, v, out, lse, is_causal: bool, scale: float):
     dv = torch.empty((Z, H, SK, D), dtype=v.dtype, device=q.device)
     _attn_bwd_hopper_kernel[(SK // t.block_n, Z * H)](
         _rows_desc(q4, t.block_m), _rows_desc(k4, t.block_n), _rows_desc(v4, t.block_n),
-        _rows_desc(do4, t.block_m), _fragments_desc(dq), dk, dv, stats,
+        _rows_desc(do4, t.block_m), _fragments_desc(dq),
+        *((_rows_desc(dk, t.block_n), _rows_desc(dv, t.block_n)) if HOPPER_BWD_TMA_EPILOGUE[D] else (dk, dv)), stats,
         scale * LOG2E, scale, SQ, SK,
         IS_CAUSAL=is_causal, HEAD_D=D, BLOCK_M=t.block_m, BLOCK_N=t.block_n, STAGES=t.num_stages,
-        PEEL_DIAGONAL=is_causal and HOPPER_BWD_PEEL_DIAGONAL[D], num_warps=t.num_warps,
+        PEEL_DIAGONAL=is_causal and HOPPER_BWD_PEEL_DIAGONAL[D], TMA_EPILOGUE=HOPPER_BWD_TMA_EPILOGUE[D],
+        num_warps=t.num_warps,
     )
     return dq_from_fragments(dq, q.dtype).view(q.shape), dk.view(k.shape), dv.view(v.shape)
