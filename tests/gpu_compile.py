@@ -59,14 +59,14 @@ def attention_sources(d: int):
     """(name, ASTSource, compile options) of the causal bf16 forward, dK/dV, dQ and delta kernels for head dim d."""
     cfg = configs.CONFIGS[(d, torch.bfloat16)]
     scalars = {"qk_scale": "fp32", "H": "i32", "SQ": "i32", "SK": "i32"}
-    for name, fn, outputs in (("fwd", triton_kernels._attn_fwd_kernel, ("O",)),
-                              ("dkdv", triton_kernels._attn_bwd_dkdv_kernel, ("DK", "DV")),
-                              ("dq", triton_kernels._attn_bwd_dq_kernel, ("DQ",))):
+    for name, fn, outputs in (("fwd", triton_kernels._attn_fwd_kernel, ("o_desc",)),
+                              ("dkdv", triton_kernels._attn_bwd_dkdv_kernel, ("dk_desc", "dv_desc")),
+                              ("dq", triton_kernels._attn_bwd_dq_kernel, ("dq_desc",))):
         t = getattr(cfg, name)
         sig = {"q_desc": _desc(t.block_m, d), "k_desc": _desc(t.block_n, d), "v_desc": _desc(t.block_n, d)}
         if name != "fwd":
             sig["do_desc"] = _desc(t.block_m, d)
-        sig.update({o: "*bf16" for o in outputs})
+        sig.update({o: _desc(t.block_n if name == "dkdv" else t.block_m, d) for o in outputs})
         sig.update({"LSE": "*fp32"} if name == "fwd" else {"LSE": "*fp32", "DELTA": "*fp32", "scale": "fp32"})
         sig.update(scalars)
         constexprs = {"IS_CAUSAL": True, "HEAD_D": d, "BLOCK_M": t.block_m, "BLOCK_N": t.block_n, "PREC": "tf32"}
@@ -168,11 +168,12 @@ def _gluon_desc(rows: int, dtype: torch.dtype, d: int) -> str:
 
 def hopper_sources():
     """(name, source, compile options) of the Gluon forward and backward for each head dim they take
-    (causal bf16 and non-causal fp16), and of the two Triton kernels only their path runs: the
-    row-stats delta and the dQ cast."""
+    (causal bf16 with v heads-major and sequence-major, non-causal fp16), and of the two Triton
+    kernels only their path runs: the row-stats delta and the dQ cast."""
     fwd = configs.HOPPER_FWD
     for d, bwd in configs.HOPPER_BWD.items():
-        for dtype, causal in ((torch.bfloat16, True), (torch.float16, False)):
+        for dtype, causal, v_seq in ((torch.bfloat16, True, False), (torch.bfloat16, True, True),
+                                     (torch.float16, False, False)):
             tma_epilogue = configs.HOPPER_BWD_TMA_EPILOGUE[d]
             dkdv = _gluon_desc(bwd.block_n, dtype, d) if tma_epilogue else mangle_type(torch.empty(0, dtype=dtype))
             kernels = {
@@ -192,9 +193,9 @@ def hopper_sources():
             }
             for name, (fn, t, sig, extra) in kernels.items():
                 constexprs = {"IS_CAUSAL": causal, "HEAD_D": d, "BLOCK_M": t.block_m, "BLOCK_N": t.block_n,
-                              "STAGES": t.num_stages, **extra}
+                              "STAGES": t.num_stages, "V_SEQUENCE_MAJOR": v_seq, **extra}
                 sig.update({k: "constexpr" for k in constexprs})
-                yield (f"{name} {str(dtype)[6:]}{'' if d == 128 else f' D{d}'}",
+                yield (f"{name} {str(dtype)[6:]}{' v sequence-major' if v_seq else ''}{'' if d == 128 else f' D{d}'}",
                        GluonASTSource(fn=fn, signature=sig, constexprs=constexprs), _options(t))
         yield f"delta_stats D{d}", delta_source(d, configs.HOPPER_BWD_ROWS, with_lse=True), {}
         yield (f"dq_from_fragments bf16 D{d}",

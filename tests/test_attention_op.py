@@ -10,6 +10,8 @@ import math
 
 import pytest
 import torch
+from torch._subclasses.fake_tensor import FakeTensorMode
+
 from custom_ops import attention as A
 from tests.helpers import HAS_CUDA, INTERPRETER, rel_err
 
@@ -32,15 +34,15 @@ def reference(q, k, v, dout, is_causal, scale):
 def make(shape, dtype, device, layout):
     """A random tensor of `shape`, stored contiguously or in one of three strided layouts.
 
-    transposed: [B, S, H, D] viewed as [B, H, S, D] (what splitting heads gives);
+    transposed: [B, S, H, D] viewed as [B, H, S, D] (what splitting heads gives; [S, N, D] as
+    [N, S, D] for 3-d shapes);
     padded: a slice of rows twice as long; colmajor: the last dim is not the dense one.
     """
     *lead, s, d = shape
     if layout == "contiguous":
         t = torch.randn(shape, dtype=dtype, device=device)
     elif layout == "transposed":
-        b, h = lead
-        t = torch.randn(b, s, h, d, dtype=dtype, device=device).transpose(1, 2)
+        t = torch.randn(*lead[:-1], s, lead[-1], d, dtype=dtype, device=device).transpose(-3, -2)
     elif layout == "padded":
         t = torch.randn(*lead, s, 2 * d, dtype=dtype, device=device)[..., d:]
     else:
@@ -119,9 +121,43 @@ def test_lse_is_not_differentiable():
     assert out.requires_grad and not lse.requires_grad
 
 
+def assert_laid_out_like_v(out, dq, dk, dv, v):
+    """The ops' layout rule (``custom_ops/attention/layouts.py``): out and dv like v, dq and dk dense."""
+    def significant(t):  # strides of dims of size 1 mean nothing
+        return [st for size, st in zip(t.shape, t.stride()) if size != 1]
+
+    assert significant(out) == significant(A.empty_like_v(out.shape, out.dtype, v)), ("out", out.stride(), v.stride())
+    assert significant(dv) == significant(A.empty_like_v(v.shape, v.dtype, v)), ("dv", dv.stride(), v.stride())
+    assert dq.is_contiguous() and dk.is_contiguous()
+
+
+@pytest.mark.parametrize("layout,three_d", [("transposed", False), ("transposed", True), ("contiguous", False),
+                                            ("padded", False), ("colmajor", True)])
+def test_outputs_laid_out_like_v(layout, three_d):
+    """Split from a [B, S, H·D] projection, v is sequence-major, and so are out and dv: merging heads
+    after attention, and dv's way back into the projection, are views. Any other v gives dense
+    outputs. The fake ops (what the compiler plans with) agree with the CPU ones."""
+    q, k, v = make_qkv(2, 3, 45, 40, 32, torch.float32, layout=layout, three_d=three_d)
+    assert A.is_sequence_major(v) == (layout == "transposed")
+    dout = torch.randn(q.shape)
+    out, lse = torch.ops.cstack.flash_attention_fwd(q, k, v, False, 0.2)
+    dq, dk, dv = torch.ops.cstack.flash_attention_bwd(dout, q, k, v, out, lse, False, 0.2)
+    assert_laid_out_like_v(out, dq, dk, dv, v)
+    if layout == "transposed":  # heads merged by a view
+        merged = out.transpose(-3, -2)
+        assert merged.is_contiguous() and torch.equal(merged.reshape(-1), out.transpose(-3, -2).contiguous().reshape(-1))
+    ref = reference(q, k, v, dout, False, 0.2)
+    assert_close((out, lse, dq, dk, dv), ref, torch.float32)
+    with FakeTensorMode() as mode:
+        fq, fk, fv, fdo = (mode.from_tensor(t) for t in (q, k, v, dout))
+        fout, flse = torch.ops.cstack.flash_attention_fwd(fq, fk, fv, False, 0.2)
+        assert_laid_out_like_v(fout, *torch.ops.cstack.flash_attention_bwd(fdo, fq, fk, fv, fout, flse, False, 0.2), fv)
+
+
+@pytest.mark.parametrize("layout", ["contiguous", "transposed"])
 @pytest.mark.parametrize("causal", [True, False])
-def test_opcheck(causal):
-    q, k, v = make_qkv(1, 2, 19, 19, 16, torch.float32)
+def test_opcheck(causal, layout):
+    q, k, v = make_qkv(1, 2, 19, 19, 16, torch.float32, layout=layout)
     q.requires_grad_()
     torch.library.opcheck(torch.ops.cstack.flash_attention_fwd.default, (q, k, v, causal, 0.25))
     out, lse = torch.ops.cstack.flash_attention_fwd(q.detach(), k, v, causal, 0.25)
@@ -151,6 +187,7 @@ def test_triton_kernels_interpreted(scalar_loop_bounds, b, h, sq, sk, d, causal,
     scale = 1 / math.sqrt(d)
     out, lse = A.triton_fwd(q, k, v, causal, scale)
     dq, dk, dv = A.triton_bwd(dout, q, k, v, out, lse, causal, scale)
+    assert_laid_out_like_v(out, dq, dk, dv, v)
     ref = reference(q, k, v, dout, causal, scale)
     if sq == 1:
         assert_close((out, lse, dv), (ref[0], ref[1], ref[4]), dtype, ("out", "lse", "dv"))
@@ -398,14 +435,17 @@ def test_gpu_hopper_kernels_match_reference(b, h, sq, sk, causal, layout, scale,
 @sm90
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_gpu_hopper_kernels_step_layouts(dtype):
-    """The step's mix: q and k dense, v and dO split from [B, S, H·D] projections (the launchers
-    copy those dense; reading them in place measured slower, BENCHMARKS.md)."""
+    """The step's mix: q and k dense, v and dO split from [B, S, H·D] projections. v is read in
+    place and out and dv come back in its layout; dO is copied dense (its tiles are read once per
+    key tile: in place measured slower, BENCHMARKS.md)."""
     q, k = make_qkv(2, 3, 384, 384, 128, dtype, "cuda")[:2]
     v, dout = (make((2, 3, 384, 128), dtype, "cuda", "transposed") for _ in range(2))
     ref = reference(q, k, v, dout, True, 0.125)
     out, lse = A.hopper_fwd(q, k, v, True, 0.125)
     assert_close((out, lse), ref[:2], dtype, ("out", "lse"))
-    assert_close(A.hopper_bwd(dout, q, k, v, out, lse, True, 0.125), ref[2:], dtype, ("dq", "dk", "dv"))
+    grads = A.hopper_bwd(dout, q, k, v, out, lse, True, 0.125)
+    assert_close(grads, ref[2:], dtype, ("dq", "dk", "dv"))
+    assert_laid_out_like_v(out, *grads, v)
 
 
 @pytest.mark.parametrize("capability", [(9, 0), (10, 0), (10, 3), (12, 0), (8, 0), (8, 9)])

@@ -10,6 +10,8 @@ probabilities from it, so nothing of size Sq x Sk is ever stored.
 One role a module:
 - ``op``: the ops' registration (fake, autograd, FLOP formulas), their argument checks, and
   ``flash_attention``;
+- ``layouts``: the two memory layouts the kernels read and write in place, and the rule that
+  lays out and dv out like v;
 - ``configs``: the launch configs of every kernel, and the constants the kernels share;
 - ``triton_kernels``: the Triton kernels and launchers (``triton_fwd``, ``triton_bwd``), which
   run on any CUDA GPU and, under ``TRITON_INTERPRET=1``, on CPU tensors (how the tests check them);
@@ -24,6 +26,7 @@ from custom_ops.attention.configs import (
     CONFIGS, DELTA_BLOCK_M, DQ_FRAGMENT_ROW, HEAD_DIMS, HOPPER_BWD, HOPPER_BWD_ROWS, HOPPER_FWD,
     HOPPER_FWD_COMPUTE_REGS, HOPPER_HEAD_DIMS, INTERPRETER_CONFIG, LOG2E, AttnConfig, Tiles, pick_config)
 from custom_ops.attention.cpu import CPU_CHUNK, torch_bwd, torch_fwd
+from custom_ops.attention.layouts import empty_like_v, is_sequence_major
 from custom_ops.attention.triton_kernels import (
     _as_4d, _attn_bwd_delta_kernel, _attn_bwd_dkdv_kernel, _attn_bwd_dq_kernel, _attn_fwd_kernel, _delta,
     triton_bwd, triton_fwd)

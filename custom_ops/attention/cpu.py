@@ -1,6 +1,8 @@
 """The plain-torch attention the ops run on CPU tensors: fp32, one chunk of queries at a time,
-so no Sq x Sk score block is ever whole."""
+so no Sq x Sk score block is ever whole. Outputs in the ops' layouts (``layouts``)."""
 import torch
+
+from custom_ops.attention.layouts import empty_like_v
 
 CPU_CHUNK = 256  # queries per step: bounds the score block to CPU_CHUNK x Sk per (batch, head)
 
@@ -15,7 +17,7 @@ def torch_fwd(q, k, v, is_causal: bool, scale: float):
     """Attention in fp32, one chunk of queries at a time; returns (out, lse)."""
     sq = q.shape[-2]
     kf, vf = k.float(), v.float()
-    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    out = empty_like_v(q.shape, q.dtype, v)
     lse = torch.empty(q.shape[:-1], dtype=torch.float32, device=q.device)
     for c0 in range(0, sq, CPU_CHUNK):
         c1 = min(c0 + CPU_CHUNK, sq)
@@ -50,4 +52,4 @@ def torch_bwd(dout, q, k, v, out, lse, is_causal: bool, scale: float):
         ds = p * (doc @ vc.transpose(-1, -2) - delta[..., c0:c1, None])
         dq[..., c0:c1, :] = ds @ kc * scale
         dk[..., :nk, :] += ds.transpose(-1, -2) @ qc * scale
-    return dq, dk.to(k.dtype), dv.to(v.dtype)
+    return dq, dk.to(k.dtype), empty_like_v(v.shape, v.dtype, v).copy_(dv)

@@ -43,7 +43,32 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor as GluonTen
 from custom_ops.attention.configs import (
     DQ_FRAGMENT_ROW, HOPPER_BWD, HOPPER_BWD_PEEL_DIAGONAL, HOPPER_BWD_ROWS, HOPPER_BWD_TMA_EPILOGUE, HOPPER_FWD, HOPPER_FWD_COMPUTE_REGS,
     HOPPER_HEAD_DIMS, LOG2E, _LN2)
+from custom_ops.attention.layouts import empty_like_v, is_sequence_major
 from custom_ops.attention.triton_kernels import _as_4d, _delta, _empty_bwd, _empty_fwd, _no_heads
+
+
+# --------------------------------------------------------------------------- layouts
+
+
+@gluon.jit
+def _this_head():
+    """This program's (batch·head, batch, head): the grids are (tiles, H, Z)."""
+    h = gl.program_id(1)
+    z = gl.program_id(2)
+    return z * gl.num_programs(1) + h, z, h
+
+
+@gluon.jit
+def _head_origin(z, h, S, HEAD_D: gl.constexpr, SEQUENCE_MAJOR: gl.constexpr):
+    """Where row 0 of head (z, h) sits in its descriptor's 2-d view (``_rows_desc``): ((z·H + h)·S, 0)
+    heads-major, (z·S, h·D) sequence-major."""
+    if SEQUENCE_MAJOR:
+        row = z * S
+        col = h * HEAD_D
+    else:
+        row = (z * gl.num_programs(1) + h) * S
+        col = h * 0
+    return row, col
 
 
 # --------------------------------------------------------------------------- backward
@@ -142,12 +167,12 @@ def _bwd_query_tile(i, dk, dv, q_desc, do_desc, dq_desc, k_smem, v_smem, q_smem,
 def _attn_bwd_hopper_kernel(q_desc, k_desc, v_desc, do_desc, dq_desc, DK, DV, STATS, qk_scale, scale, SQ, SK,
                             IS_CAUSAL: gl.constexpr, HEAD_D: gl.constexpr, BLOCK_M: gl.constexpr,
                             BLOCK_N: gl.constexpr, STAGES: gl.constexpr, PEEL_DIAGONAL: gl.constexpr,
-                            TMA_EPILOGUE: gl.constexpr, num_warps: gl.constexpr):
-    # q/dO descriptors read [B·H·SQ, D] and k/v [B·H·SK, D]; dQ's, one query tile per box of its
-    # fp32 buffer (``_fragments_desc``); DK and DV: [B·H·SK, D] descriptors if TMA_EPILOGUE, else
-    # pointers. SQ and SK are whole tiles.
+                            TMA_EPILOGUE: gl.constexpr, V_SEQUENCE_MAJOR: gl.constexpr, num_warps: gl.constexpr):
+    # q/dO descriptors read [B·H·SQ, D] and k [B·H·SK, D]; v's and DV's layout is V_SEQUENCE_MAJOR's;
+    # dQ's descriptor, one query tile per box of its fp32 buffer (``_fragments_desc``); DK and DV:
+    # descriptors if TMA_EPILOGUE, else pointers. SQ and SK are whole tiles.
     start_n = gl.program_id(0) * BLOCK_N
-    zh = gl.program_id(1)
+    zh, z, h = _this_head()
     q_row0 = zh * SQ
     dtype: gl.constexpr = q_desc.dtype
     GROUPS: gl.constexpr = num_warps // 4
@@ -174,7 +199,8 @@ def _attn_bwd_hopper_kernel(q_desc, k_desc, v_desc, do_desc, dq_desc, DK, DV, ST
         mbarrier.init(ready.index(i), count=1)
     mbarrier.expect(kv_bar, 2 * k_desc.block_type.nbytes)
     tma.async_copy_global_to_shared(k_desc, [zh * SK + start_n, 0], kv_bar, k_smem)
-    tma.async_copy_global_to_shared(v_desc, [zh * SK + start_n, 0], kv_bar, v_smem)
+    v_row, v_col = _head_origin(z, h, SK, HEAD_D, V_SEQUENCE_MAJOR)
+    tma.async_copy_global_to_shared(v_desc, [v_row + start_n, v_col], kv_bar, v_smem)
 
     # Causal: the first query tile that sees a key of this tile (BLOCK_N is a multiple of BLOCK_M).
     lo = start_n if IS_CAUSAL else 0
@@ -212,13 +238,22 @@ def _attn_bwd_hopper_kernel(q_desc, k_desc, v_desc, do_desc, dq_desc, DK, DV, ST
         gl.thread_barrier()
         key_row = (q_row0 // SQ) * SK + start_n
         tma.async_copy_shared_to_global(DK, [key_row, 0], k_smem)
-        tma.async_copy_shared_to_global(DV, [key_row, 0], v_smem)
+        if V_SEQUENCE_MAJOR:  # dV's rows as v's: [Z·SK, H·D]
+            v_row, v_col = _head_origin(gl.program_id(2), gl.program_id(1), SK, HEAD_D, True)
+            tma.async_copy_shared_to_global(DV, [v_row + start_n, v_col], v_smem)
+        else:
+            tma.async_copy_shared_to_global(DV, [key_row, 0], v_smem)
         tma.store_wait(0)
     else:
         out_rows = (q_row0 // SQ) * SK + start_n + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, L_KV))
         out_cols = gl.arange(0, HEAD_D, layout=gl.SliceLayout(0, L_KV))
         out = gl.expand_dims(out_rows.to(gl.int64) * HEAD_D, 1) + gl.expand_dims(out_cols, 0)
         gl.store(DK + out, dk.to(dtype))
+        if V_SEQUENCE_MAJOR:  # dV's rows as v's: [Z·SK, H·D]
+            v_row, v_col = _head_origin(gl.program_id(2), gl.program_id(1), SK, HEAD_D, True)
+            dv_rows = v_row + start_n + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, L_KV))
+            out = gl.expand_dims(dv_rows.to(gl.int64) * (gl.num_programs(1) * HEAD_D) + v_col, 1) + \
+                gl.expand_dims(out_cols, 0)
         gl.store(DV + out, dv.to(dtype))
 
 
@@ -226,7 +261,8 @@ def _attn_bwd_hopper_kernel(q_desc, k_desc, v_desc, do_desc, dq_desc, DK, DV, ST
 
 
 @gluon.jit
-def _fwd_hopper_load(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, ready, empty, q_row, k_row0, n_iter):
+def _fwd_hopper_load(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, ready, empty, q_row, k_row0, v_row0,
+                     v_col, n_iter):
     """The load warp: Q once, then K and V tiles into the ring as the compute groups free slots."""
     STAGES: gl.constexpr = k_smem.type.shape[0]
     BLOCK_N: gl.constexpr = k_smem.type.shape[1]
@@ -237,7 +273,7 @@ def _fwd_hopper_load(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, read
         mbarrier.wait(empty.index(slot), ((j // STAGES) & 1) ^ 1)  # the first round passes
         mbarrier.expect(ready.index(slot), 2 * k_desc.block_type.nbytes)
         tma.async_copy_global_to_shared(k_desc, [k_row0 + j * BLOCK_N, 0], ready.index(slot), k_smem.index(slot))
-        tma.async_copy_global_to_shared(v_desc, [k_row0 + j * BLOCK_N, 0], ready.index(slot), v_smem.index(slot))
+        tma.async_copy_global_to_shared(v_desc, [v_row0 + j * BLOCK_N, v_col], ready.index(slot), v_smem.index(slot))
 
 
 @gluon.jit
@@ -254,7 +290,7 @@ def _mask_after_diagonal(s, rows, start_n, start_m, IS_CAUSAL: gl.constexpr):
 
 @gluon.jit
 def _fwd_hopper_compute(GROUP: gl.constexpr, o_desc, q_smem, k_smem, v_smem, q_bar, ready, empty, LSE, qk_scale,
-                        q_row, start_m, n_iter, IS_CAUSAL: gl.constexpr):
+                        o_row, o_col, start_m, n_iter, IS_CAUSAL: gl.constexpr):
     """One compute warp group: online softmax over the key tiles for its 64 queries, then O
     through its (no longer needed) Q rows in shared memory and a TMA store."""
     STAGES: gl.constexpr = k_smem.type.shape[0]
@@ -301,17 +337,19 @@ def _fwd_hopper_compute(GROUP: gl.constexpr, o_desc, q_smem, k_smem, v_smem, q_b
     q.store(acc.to(dtype))  # only this group reads these Q rows
     fence_async_shared()
     gl.thread_barrier()  # of this warp group
-    tma.async_copy_shared_to_global(o_desc, [q_row + GROUP * ROWS, 0], q)
+    tma.async_copy_shared_to_global(o_desc, [o_row + GROUP * ROWS, o_col], q)
     tma.store_wait(0)
 
 
 @gluon.jit
 def _attn_fwd_hopper_kernel(q_desc, k_desc, v_desc, o_desc, LSE, qk_scale, SQ, SK,
                             IS_CAUSAL: gl.constexpr, HEAD_D: gl.constexpr, BLOCK_M: gl.constexpr,
-                            BLOCK_N: gl.constexpr, STAGES: gl.constexpr, COMPUTE_REGS: gl.constexpr):
-    # Descriptors read [B·H·S, D]; SQ and SK are whole tiles. Largest causal query tiles first.
+                            BLOCK_N: gl.constexpr, STAGES: gl.constexpr, COMPUTE_REGS: gl.constexpr,
+                            V_SEQUENCE_MAJOR: gl.constexpr):
+    # q/k descriptors read [B·H·S, D]; v's and O's layout is V_SEQUENCE_MAJOR's (``_rows_desc``);
+    # SQ and SK are whole tiles. Largest causal query tiles first.
     start_m = (gl.num_programs(0) - 1 - gl.program_id(0)) * BLOCK_M
-    zh = gl.program_id(1)
+    zh, z, h = _this_head()
     dtype: gl.constexpr = q_desc.dtype
     q_smem = gl.allocate_shared_memory(dtype, [BLOCK_M, HEAD_D], q_desc.layout)
     k_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD_D], k_desc.layout)
@@ -325,14 +363,17 @@ def _attn_fwd_hopper_kernel(q_desc, k_desc, v_desc, o_desc, LSE, qk_scale, SQ, S
         mbarrier.init(empty.index(i), count=2)  # one arrival per compute group
     n_iter = (start_m + BLOCK_M if IS_CAUSAL else SK) // BLOCK_N
     q_row = zh * SQ + start_m
+    v_row0, v_col = _head_origin(z, h, SK, HEAD_D, V_SEQUENCE_MAJOR)
+    o_row, o_col = _head_origin(z, h, SQ, HEAD_D, V_SEQUENCE_MAJOR)
+    o_row += start_m
     lse = LSE + zh * SQ
     gl.warp_specialize([
-        (_fwd_hopper_compute, (0, o_desc, q_smem, k_smem, v_smem, q_bar, ready, empty, lse, qk_scale, q_row, start_m,
-                               n_iter, IS_CAUSAL)),
-        (_fwd_hopper_compute, (1, o_desc, q_smem, k_smem, v_smem, q_bar, ready, empty, lse, qk_scale, q_row, start_m,
-                               n_iter, IS_CAUSAL)),
+        (_fwd_hopper_compute, (0, o_desc, q_smem, k_smem, v_smem, q_bar, ready, empty, lse, qk_scale, o_row, o_col,
+                               start_m, n_iter, IS_CAUSAL)),
+        (_fwd_hopper_compute, (1, o_desc, q_smem, k_smem, v_smem, q_bar, ready, empty, lse, qk_scale, o_row, o_col,
+                               start_m, n_iter, IS_CAUSAL)),
         (_fwd_hopper_load, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, ready, empty, q_row, zh * SK,
-                            n_iter)),
+                            v_row0, v_col, n_iter)),
     ], [4, 1], [COMPUTE_REGS, 24])
 
 
@@ -361,8 +402,9 @@ _GLUON_DTYPES = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16, torch.f
 
 
 def _rows_desc(t: torch.Tensor, rows: int) -> GluonTensorDescriptor:
-    """A Gluon descriptor reading [rows, D] tiles of a contiguous [..., S, D] tensor seen as [N·S, D]."""
-    flat = t.view(-1, t.shape[-1])
+    """A Gluon descriptor of [rows, D] tiles of a [Z, H, S, D] tensor: heads-major seen as
+    [Z·H·S, D], sequence-major as [Z·S, H·D] (``_head_origin`` finds a head's rows in either)."""
+    flat = t.transpose(1, 2).view(-1, t.shape[1] * t.shape[-1]) if is_sequence_major(t) else t.view(-1, t.shape[-1])
     layout = gl.NVMMASharedLayout.get_default_for([rows, t.shape[-1]], _GLUON_DTYPES[t.dtype])
     return GluonTensorDescriptor(flat, list(flat.shape), list(flat.stride()), [rows, t.shape[-1]], layout)
 
@@ -397,21 +439,29 @@ def dq_from_fragments(acc: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 
 
 
+def _in_place_or_dense(v: torch.Tensor) -> torch.Tensor:
+    """v as 4-d: read in place if sequence-major (the kernels take either layout for v, and lay
+    out and dv out like it), else copied dense. q, k and dO are always copied dense."""
+    v4 = _as_4d(v)
+    return v4 if is_sequence_major(v4) else v4.contiguous()
+
+
 def hopper_fwd(q, k, v, is_causal: bool, scale: float):
     """Run the warp-specialized Gluon forward on inputs ``uses_hopper_kernels`` accepts; returns (out, lse)."""
     if _no_heads(q):
-        return _empty_fwd(q)
-    q4, k4, v4 = (_as_4d(t).contiguous() for t in (q, k, v))
+        return _empty_fwd(q, v)
+    q4, k4 = (_as_4d(t).contiguous() for t in (q, k))
+    v4 = _in_place_or_dense(v)
     Z, H, SQ, D = q4.shape
     SK = k4.shape[2]
     t = HOPPER_FWD
-    out = torch.empty((Z, H, SQ, D), dtype=q.dtype, device=q.device)
+    out = empty_like_v((Z, H, SQ, D), q.dtype, v4)
     lse = torch.empty((Z, H, SQ), dtype=torch.float32, device=q.device)
-    _attn_fwd_hopper_kernel[(SQ // t.block_m, Z * H)](
+    _attn_fwd_hopper_kernel[(SQ // t.block_m, H, Z)](
         _rows_desc(q4, t.block_m), _rows_desc(k4, t.block_n), _rows_desc(v4, t.block_n),
         _rows_desc(out, t.block_m // 2), lse, scale * LOG2E, SQ, SK,
         IS_CAUSAL=is_causal, HEAD_D=D, BLOCK_M=t.block_m, BLOCK_N=t.block_n, STAGES=t.num_stages,
-        COMPUTE_REGS=HOPPER_FWD_COMPUTE_REGS, num_warps=t.num_warps,
+        COMPUTE_REGS=HOPPER_FWD_COMPUTE_REGS, V_SEQUENCE_MAJOR=is_sequence_major(v4), num_warps=t.num_warps,
     )
     return out.view(q.shape), lse.view(q.shape[:-1])
 
@@ -421,21 +471,23 @@ def hopper_bwd(dout, q, k, v, out, lse, is_causal: bool, scale: float):
     dQ is summed in fp32 (Sq·D·4 bytes per head, tiles in fragment order), then cast."""
     if _no_heads(q):
         return _empty_bwd(q, k, v)
-    q4, k4, v4, do4 = (_as_4d(t).contiguous() for t in (q, k, v, dout))
+    q4, k4, do4 = (_as_4d(t).contiguous() for t in (q, k, dout))
+    v4 = _in_place_or_dense(v)
     Z, H, SQ, D = q4.shape
     SK = k4.shape[2]
     t = HOPPER_BWD[D]
     stats = _delta(_as_4d(out), do4, lse)
     dq = torch.zeros((Z, H, SQ, D), dtype=torch.float32, device=q.device)  # tiles in fragment order
     dk = torch.empty((Z, H, SK, D), dtype=k.dtype, device=q.device)
-    dv = torch.empty((Z, H, SK, D), dtype=v.dtype, device=q.device)
-    _attn_bwd_hopper_kernel[(SK // t.block_n, Z * H)](
+    dv = empty_like_v((Z, H, SK, D), v.dtype, v4)
+    _attn_bwd_hopper_kernel[(SK // t.block_n, H, Z)](
         _rows_desc(q4, t.block_m), _rows_desc(k4, t.block_n), _rows_desc(v4, t.block_n),
         _rows_desc(do4, t.block_m), _fragments_desc(dq),
         *((_rows_desc(dk, t.block_n), _rows_desc(dv, t.block_n)) if HOPPER_BWD_TMA_EPILOGUE[D] else (dk, dv)), stats,
         scale * LOG2E, scale, SQ, SK,
         IS_CAUSAL=is_causal, HEAD_D=D, BLOCK_M=t.block_m, BLOCK_N=t.block_n, STAGES=t.num_stages,
         PEEL_DIAGONAL=is_causal and HOPPER_BWD_PEEL_DIAGONAL[D], TMA_EPILOGUE=HOPPER_BWD_TMA_EPILOGUE[D],
+        V_SEQUENCE_MAJOR=is_sequence_major(v4),
         num_warps=t.num_warps,
     )
     return dq_from_fragments(dq, q.dtype).view(q.shape), dk.view(k.shape), dv.view(v.shape)

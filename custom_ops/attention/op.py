@@ -4,6 +4,8 @@
     torch.ops.cstack.flash_attention_fwd(q, k, v, is_causal, scale) -> (out, lse)
     torch.ops.cstack.flash_attention_bwd(dout, q, k, v, out, lse, is_causal, scale) -> (dq, dk, dv)
 
+out and dv are laid out like v (``layouts``: sequence-major when v was split off a [B, S, H·D]
+projection, so heads merge after attention without a copy); lse, dq and dk are contiguous.
 CPU tensors run ``torch_fwd`` / ``torch_bwd``; CUDA tensors the Gluon kernels where
 ``uses_hopper_kernels`` accepts the inputs, else the Triton ones. The implementations are looked
 up on the ``custom_ops.attention`` package when the op runs, so what is wrapped there (tests
@@ -17,6 +19,7 @@ from torch.utils.flop_counter import register_flop_formula
 
 from custom_ops import attention as impl  # the package, still importing: read only at call time
 from custom_ops.attention.configs import HEAD_DIMS
+from custom_ops.attention.layouts import empty_like_v
 from custom_ops.checks import FLOAT_DTYPES, check_like, check_tensor, require
 
 
@@ -71,7 +74,7 @@ def _fwd_cpu(q, k, v, is_causal, scale):
 @flash_attention_fwd.register_fake
 def _fwd_fake(q, k, v, is_causal, scale):
     check_attention_args(q, k, v, is_causal, scale)
-    return q.new_empty(q.shape), q.new_empty(q.shape[:-1], dtype=torch.float32)
+    return empty_like_v(q.shape, q.dtype, v), q.new_empty(q.shape[:-1], dtype=torch.float32)
 
 
 @torch.library.custom_op("cstack::flash_attention_bwd", mutates_args=(), device_types="cuda")
@@ -92,7 +95,7 @@ def _bwd_cpu(dout, q, k, v, out, lse, is_causal, scale):
 @flash_attention_bwd.register_fake
 def _bwd_fake(dout, q, k, v, out, lse, is_causal, scale):
     check_bwd_args(dout, q, k, v, out, lse, is_causal, scale)
-    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
+    return q.new_empty(q.shape), k.new_empty(k.shape), empty_like_v(v.shape, v.dtype, v)
 
 
 def _setup_context(ctx, inputs, output):

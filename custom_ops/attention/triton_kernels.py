@@ -5,7 +5,8 @@ launchers ``triton_fwd``, ``triton_bwd``. They run on any CUDA GPU, and on CPU t
 Every tile of q, k, v, dO and O is read through a TMA tensor descriptor over the
 [Z, H, S, D] tensor: the copy engine does the address arithmetic and the bounds (rows
 past S read as zeros), which measured faster than pointer loads on the H200
-(BENCHMARKS.md). Outputs are fresh contiguous tensors, written with masked stores.
+(BENCHMARKS.md). Outputs are fresh tensors in the ops' layouts (``layouts``), written through
+descriptors as well (rows past S are not written).
 """
 import math
 
@@ -16,12 +17,20 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 
 from custom_ops.attention.configs import (
     DELTA_BLOCK_M, HOPPER_BWD_ROWS, LOG2E, _LN2, _LOG2E, AttnConfig, pick_config)
+from custom_ops.attention.layouts import empty_like_v
 
 
 @triton.jit
 def _tile(desc, z, h, start, ROWS: tl.constexpr, HEAD_D: tl.constexpr):
     """Rows [start, start + ROWS) of head (z, h); rows past the tensor's end read as zeros."""
     return desc.load([z, h, start, 0]).reshape(ROWS, HEAD_D)
+
+
+@triton.jit
+def _store_tile(desc, z, h, start, tile):
+    """Write ``tile`` as rows [start, start + ROWS) of head (z, h), in the descriptor's dtype; rows
+    past the tensor's end are dropped."""
+    desc.store([z, h, start, 0], tile.to(desc.dtype).reshape(1, 1, tile.shape[0], tile.shape[1]))
 
 
 @triton.jit
@@ -57,13 +66,12 @@ def _fwd_inner(acc, l_i, m_i, q, k_desc, v_desc, z, h, rows, offs_n, lo, hi, SK,
 
 
 @triton.jit
-def _attn_fwd_kernel(q_desc, k_desc, v_desc, O, LSE, qk_scale, H, SQ, SK,
+def _attn_fwd_kernel(q_desc, k_desc, v_desc, o_desc, LSE, qk_scale, H, SQ, SK,
                      IS_CAUSAL: tl.constexpr, HEAD_D: tl.constexpr, BLOCK_M: tl.constexpr,
                      BLOCK_N: tl.constexpr, PREC: tl.constexpr):
     zh, z, h, start_m = _query_tile(H, BLOCK_M)
     rows = start_m + tl.arange(0, BLOCK_M)
     offs_n = tl.arange(0, BLOCK_N)
-    offs_d = tl.arange(0, HEAD_D)
     row_ok = rows < SQ
     q = _tile(q_desc, z, h, start_m, BLOCK_M, HEAD_D)
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
@@ -77,11 +85,8 @@ def _attn_fwd_kernel(q_desc, k_desc, v_desc, O, LSE, qk_scale, H, SQ, SK,
     hi = tl.minimum(start_m + BLOCK_M, SK) if IS_CAUSAL else SK
     acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, k_desc, v_desc, z, h, rows, offs_n, split, hi, SK, qk_scale,
                                BLOCK_N, HEAD_D, 1 if IS_CAUSAL else 2, PREC)
-    out = acc / l_i[:, None]
-    row_base = zh.to(tl.int64) * SQ
-    tl.store(O + (row_base + rows[:, None]) * HEAD_D + offs_d[None, :], out.to(O.dtype.element_ty),
-             mask=row_ok[:, None])
-    tl.store(LSE + row_base + rows, (m_i + tl.math.log2(l_i)) * _LN2, mask=row_ok)
+    _store_tile(o_desc, z, h, start_m, acc / l_i[:, None])
+    tl.store(LSE + zh.to(tl.int64) * SQ + rows, (m_i + tl.math.log2(l_i)) * _LN2, mask=row_ok)
 
 
 @triton.jit
@@ -128,7 +133,7 @@ def _dkdv_inner(dk, dv, k, v, q_desc, do_desc, z, h, lse_base, delta_base, cols,
 
 
 @triton.jit
-def _attn_bwd_dkdv_kernel(q_desc, k_desc, v_desc, do_desc, DK, DV, LSE, DELTA, qk_scale, scale, H, SQ, SK,
+def _attn_bwd_dkdv_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, LSE, DELTA, qk_scale, scale, H, SQ, SK,
                           IS_CAUSAL: tl.constexpr, HEAD_D: tl.constexpr, BLOCK_M: tl.constexpr,
                           BLOCK_N: tl.constexpr, PREC: tl.constexpr):
     # Each program owns one key tile and loops over the query tiles that can see it; causal
@@ -138,7 +143,6 @@ def _attn_bwd_dkdv_kernel(q_desc, k_desc, v_desc, do_desc, DK, DV, LSE, DELTA, q
     start_n = tl.program_id(1) * BLOCK_N
     cols = start_n + tl.arange(0, BLOCK_N)
     offs_m = tl.arange(0, BLOCK_M)
-    offs_d = tl.arange(0, HEAD_D)
     k = _tile(k_desc, z, h, start_n, BLOCK_N, HEAD_D)
     v = _tile(v_desc, z, h, start_n, BLOCK_N, HEAD_D)
     lse_base = LSE + zh.to(tl.int64) * SQ
@@ -155,10 +159,8 @@ def _attn_bwd_dkdv_kernel(q_desc, k_desc, v_desc, do_desc, DK, DV, LSE, DELTA, q
         mid = 0
     dk, dv = _dkdv_inner(dk, dv, k, v, q_desc, do_desc, z, h, lse_base, delta_base, cols, offs_m,
                          mid, SQ, SQ, qk_scale, BLOCK_M, HEAD_D, False, PREC)
-    out_rows = zh.to(tl.int64) * SK + cols[:, None]
-    col_ok = cols[:, None] < SK
-    tl.store(DK + out_rows * HEAD_D + offs_d[None, :], (dk * scale).to(DK.dtype.element_ty), mask=col_ok)
-    tl.store(DV + out_rows * HEAD_D + offs_d[None, :], dv.to(DV.dtype.element_ty), mask=col_ok)
+    _store_tile(dk_desc, z, h, start_n, dk * scale)
+    _store_tile(dv_desc, z, h, start_n, dv)
 
 
 @triton.jit
@@ -181,13 +183,12 @@ def _dq_inner(dq, q, do, lse2, delta, k_desc, v_desc, z, h, rows, offs_n, lo, hi
 
 
 @triton.jit
-def _attn_bwd_dq_kernel(q_desc, k_desc, v_desc, do_desc, DQ, LSE, DELTA, qk_scale, scale, H, SQ, SK,
+def _attn_bwd_dq_kernel(q_desc, k_desc, v_desc, do_desc, dq_desc, LSE, DELTA, qk_scale, scale, H, SQ, SK,
                         IS_CAUSAL: tl.constexpr, HEAD_D: tl.constexpr, BLOCK_M: tl.constexpr,
                         BLOCK_N: tl.constexpr, PREC: tl.constexpr):
     zh, z, h, start_m = _query_tile(H, BLOCK_M)
     rows = start_m + tl.arange(0, BLOCK_M)
     offs_n = tl.arange(0, BLOCK_N)
-    offs_d = tl.arange(0, HEAD_D)
     row_ok = rows < SQ
     q = _tile(q_desc, z, h, start_m, BLOCK_M, HEAD_D)
     do = _tile(do_desc, z, h, start_m, BLOCK_M, HEAD_D)
@@ -201,8 +202,7 @@ def _attn_bwd_dq_kernel(q_desc, k_desc, v_desc, do_desc, DQ, LSE, DELTA, qk_scal
     hi = tl.minimum(start_m + BLOCK_M, SK) if IS_CAUSAL else SK
     dq = _dq_inner(dq, q, do, lse2, delta, k_desc, v_desc, z, h, rows, offs_n, split, hi, SK, qk_scale,
                    BLOCK_N, HEAD_D, 1 if IS_CAUSAL else 2, PREC)
-    tl.store(DQ + (row_base + rows[:, None]) * HEAD_D + offs_d[None, :], (dq * scale).to(DQ.dtype.element_ty),
-             mask=row_ok[:, None])
+    _store_tile(dq_desc, z, h, start_m, dq * scale)
 
 # --------------------------------------------------------------------------- launchers
 
@@ -232,26 +232,26 @@ def _no_heads(q: torch.Tensor) -> bool:
     return math.prod(q.shape[:-2]) == 0
 
 
-def _empty_fwd(q: torch.Tensor):
-    return torch.empty(q.shape, dtype=q.dtype, device=q.device), q.new_empty(q.shape[:-1], dtype=torch.float32)
+def _empty_fwd(q: torch.Tensor, v: torch.Tensor):
+    return empty_like_v(q.shape, q.dtype, v), q.new_empty(q.shape[:-1], dtype=torch.float32)
 
 
 def _empty_bwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
-    return tuple(torch.empty(t.shape, dtype=t.dtype, device=t.device) for t in (q, k, v))
+    return q.new_empty(q.shape), k.new_empty(k.shape), empty_like_v(v.shape, v.dtype, v)
 
 
 def triton_fwd(q, k, v, is_causal: bool, scale: float, config: AttnConfig | None = None):
     """Run the Triton forward; returns (out, lse). Inputs must already be validated."""
     if _no_heads(q):
-        return _empty_fwd(q)
+        return _empty_fwd(q, v)
     q4, k4, v4 = _as_4d(q), _as_4d(k), _as_4d(v)
     Z, H, SQ, D = q4.shape
     SK = k4.shape[2]
     t = (config or pick_config(D, q.dtype)).fwd
-    out = torch.empty((Z, H, SQ, D), dtype=q.dtype, device=q.device)
+    out = empty_like_v((Z, H, SQ, D), q.dtype, v4)
     lse = torch.empty((Z, H, SQ), dtype=torch.float32, device=q.device)
     _attn_fwd_kernel[(Z * H, triton.cdiv(SQ, t.block_m))](
-        _desc(q4, t.block_m), _desc(k4, t.block_n), _desc(v4, t.block_n), out, lse, scale * LOG2E, H, SQ, SK,
+        _desc(q4, t.block_m), _desc(k4, t.block_n), _desc(v4, t.block_n), _desc(out, t.block_m), lse, scale * LOG2E, H, SQ, SK,
         IS_CAUSAL=is_causal, HEAD_D=D, BLOCK_M=t.block_m, BLOCK_N=t.block_n, PREC=_precision(q.dtype),
         num_warps=t.num_warps, num_stages=t.num_stages,
     )
@@ -285,15 +285,17 @@ def triton_bwd(dout, q, k, v, out, lse, is_causal: bool, scale: float, config: A
     lse = lse.contiguous()
     dq = torch.empty((Z, H, SQ, D), dtype=q.dtype, device=q.device)
     dk = torch.empty((Z, H, SK, D), dtype=k.dtype, device=q.device)
-    dv = torch.empty((Z, H, SK, D), dtype=v.dtype, device=q.device)
+    dv = empty_like_v((Z, H, SK, D), v.dtype, v4)
     prec = _precision(q.dtype)
     delta = _delta(o4, do4)
     for t, kernel, grid, outputs in (
         (cfg.dkdv, _attn_bwd_dkdv_kernel, (Z * H, triton.cdiv(SK, cfg.dkdv.block_n)), (dk, dv)),
         (cfg.dq, _attn_bwd_dq_kernel, (Z * H, triton.cdiv(SQ, cfg.dq.block_m)), (dq,)),
     ):
+        rows = t.block_n if kernel is _attn_bwd_dkdv_kernel else t.block_m
         kernel[grid](
-            _desc(q4, t.block_m), _desc(k4, t.block_n), _desc(v4, t.block_n), _desc(do4, t.block_m), *outputs, lse, delta,
+            _desc(q4, t.block_m), _desc(k4, t.block_n), _desc(v4, t.block_n), _desc(do4, t.block_m),
+            *(_desc(o, rows) for o in outputs), lse, delta,
             scale * LOG2E, scale, H, SQ, SK,
             IS_CAUSAL=is_causal, HEAD_D=D, BLOCK_M=t.block_m, BLOCK_N=t.block_n, PREC=prec,
             num_warps=t.num_warps, num_stages=t.num_stages,

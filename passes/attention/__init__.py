@@ -42,12 +42,19 @@ aten level, after Inductor's decompositions. Two families are recognised:
    bmm and the exits, which is checked before anything changes, and dies
    with them. The op works on the bmm operands themselves ([B·H, S, D]), so
    grouped-query attention whose k/v heads were repeated
-   (``repeat_interleave``, ``expand`` + reshape) is matched as it is.
+   (``repeat_interleave``, ``expand`` + reshape) is matched as it is. Where
+   v's operand is matmul's dense copy of heads split off a projection
+   (``view`` + ``transpose``), the op reads that split view in place
+   instead ([B, H, S, D], q and k viewed alike).
 2. ``F.scaled_dot_product_attention`` (its aten flash/efficient/cuDNN/CPU
    kernels and their backward ops) without dropout: ``is_causal``, no mask,
    or an ``attn_mask`` proven causal as above (bool: True keeps; float:
    0/−inf); with fewer k/v heads (``enable_gqa``) they are repeated for the
    op and their grads summed back over each group.
+
+Either way the op lays out and dv out like v (``custom_ops/attention/layouts.py``): merging
+heads after it (transpose, then reshape/view/flatten) and dv's way back into its projection then
+need no copy, and the rewrite drops those copies from the graph (``rewrite._merge_as_view``).
 
 Anything else that looks like a softmax over a Q·Kᵀ product (dropout on the
 weights, a non-causal or unknown mask, a learned scale after the mask or per

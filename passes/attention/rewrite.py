@@ -5,40 +5,112 @@ import operator
 import torch
 
 import custom_ops.attention  # noqa: F401  (registers torch.ops.cstack.flash_attention_*)
+from custom_ops.attention.layouts import is_sequence_major
 from passes.attention.common import _shape, aten, prims
 from passes.graph_edit import erase_dead, fake_value, insert_call, save_for_backward
 
+_VIEWS = {aten.view.default, aten._unsafe_view.default, aten.reshape.default}
 
-def _replace(graph, old, new) -> None:
-    """Make `old`'s users use `new`, copied to `old`'s strides if they differ: later views rely on them."""
+
+def _is_dense_copy(node) -> bool:
+    return node.target is aten.clone.default and node.kwargs.get("memory_format", torch.contiguous_format) in (
+        torch.contiguous_format, torch.preserve_format)
+
+
+def _merge_as_view(graph, old, user, new) -> list:
+    """Where ``user`` of ``old`` merges heads (a view to [B, H, S, D] unless old is one already, a
+    permute, a dense copy: ``out.transpose(1, 2).reshape(B, S, H·D)``, or dv's way back into its
+    projection) and, on ``new`` (our op's output in v's layout), the permute alone is already
+    dense: the copies' users take that permute instead. Returns the copies bypassed (none if the
+    pattern or the layouts do not fit)."""
+    shape = list(_shape(user)) if user.target in _VIEWS else list(_shape(new))
+    permutes = list(user.users) if user.target in _VIEWS else [user]
+    if not permutes or not all(p.target is aten.permute.default and p.users and all(map(_is_dense_copy, p.users))
+                               for p in permutes):
+        return []
+    try:
+        seen = fake_value(new).view(shape)
+    except RuntimeError:  # new's layout cannot be seen in that shape
+        return []
+    if not all(seen.permute(p.args[1]).is_contiguous() for p in permutes):
+        return []
+    copies = [c for p in permutes for c in p.users]
+    order = {n: i for i, n in enumerate(graph.nodes)}
+    with graph.inserting_before(min(copies, key=order.__getitem__)):
+        base = new if shape == list(_shape(new)) else insert_call(graph, aten.view.default, (new, shape))
+        for p in permutes:
+            merged = insert_call(graph, aten.permute.default, (base, p.args[1]))
+            for copy in list(p.users):
+                copy.replace_all_uses_with(merged)
+    return copies
+
+
+def _replace(graph, old, new) -> list:
+    """Make ``old``'s users use ``new``; returns the nodes this left without users. A user that
+    merges heads takes a view of new where new's layout makes its copy a no-op (``_merge_as_view``);
+    the others get new copied into old's shape and strides, which later views rely on."""
+    bypassed = []
+    for user in list(old.users):
+        bypassed += _merge_as_view(graph, old, user, new)
     want, have = old.meta["val"], new.meta["val"]
     significant = [d for d in range(want.dim()) if want.shape[d] != 1]
-    if any(want.stride(d) != have.stride(d) for d in significant):
+    if old.users and (want.shape != have.shape or any(want.stride(d) != have.stride(d) for d in significant)):
         order = sorted(range(want.dim()), key=lambda d: (-want.stride(d), d))
         with graph.inserting_before(old):
+            if want.shape != have.shape:  # a 4-d output for a 3-d bmm's: dense, then the bmm's shape
+                new = insert_call(graph, aten.clone.default, (new,), {"memory_format": torch.contiguous_format})
+                new = insert_call(graph, aten.view.default, (new, list(want.shape)))
             moved = insert_call(graph, aten.permute.default, (new, order))
             dense = insert_call(graph, aten.clone.default, (moved,), {"memory_format": torch.contiguous_format})
             new = insert_call(graph, aten.permute.default, (dense, [order.index(d) for d in range(want.dim())]))
     old.replace_all_uses_with(new)
+    return bypassed
 
 
-def _dense(graph, node):
-    """``node``, copied to a contiguous tensor in the graph if it is a strided view: v and the
+def _dense(graph, node, keep_sequence_major=False):
+    """``node``, copied to a contiguous tensor in the graph if it is a strided view (unless
+    ``keep_sequence_major`` and it is one: the kernels read v in place in that layout). q, k and the
     output grad are [S, H·D] matmul outputs seen head-major when a rank holds one sequence, and
-    the Hopper kernels read dense [S, D] rows. Left to the op, the copy was aten's strided copy
-    (2.4× slower than Inductor's on the H200, BENCHMARKS.md), in the forward and again in the
+    the Hopper kernels read dense [S, D] rows of them. Left to the op, the copy was aten's strided
+    copy (2.4× slower than Inductor's on the H200, BENCHMARKS.md), in the forward and again in the
     backward; here Inductor generates it, and the partitioner saves or recomputes it as it does
-    the rest (at the two-GPU budget the forward's copy of v is saved)."""
+    the rest."""
     val = fake_value(node)
-    if val is None or val.is_contiguous():
+    if val is None or val.is_contiguous() or (keep_sequence_major and is_sequence_major(val)):
         return node
     return insert_call(graph, aten.clone.default, (node,), {"memory_format": torch.contiguous_format})
 
 
+def _split_heads_source(node):
+    """The [B, H, S, D] sequence-major tensor (heads split off a projection) that ``node``, a
+    [B·H, S, D] bmm operand, is a dense copy of (matmul's reshape: an expand to the same shape, a
+    copy, a view), or None. The op then reads that tensor in place instead of the copy."""
+    want = _shape(node)
+    while node.target in _VIEWS or _is_dense_copy(node) or (
+            node.target is aten.expand.default and _shape(node) == _shape(node.args[0])):
+        node = node.args[0]
+        val = fake_value(node)
+        if (isinstance(val, torch.Tensor) and val.dim() == 4 and is_sequence_major(val)
+                and want == (val.shape[0] * val.shape[1], *val.shape[2:])):
+            return node
+    return None
+
+
 def _flash(graph, q, k, v, causal, scale, grad, where_fwd, where_bwd):
-    """Insert our forward (and backward when `grad` is given); returns out, (dq, dk, dv) nodes."""
+    """Insert our forward (and backward when `grad` is given); returns out, (dq, dk, dv) nodes.
+    v is passed as it is if sequence-major, or as the sequence-major [B, H, S, D] tensor its
+    [B·H, S, D] copy was made from (q, k and the grad then viewed 4-d alike): the op reads it in
+    place and lays out and dv out like it, so merging heads needs no copy (``_replace``). dq and dk
+    come back in q's and k's shapes."""
+    split = _split_heads_source(v)
     with graph.inserting_before(where_fwd):
-        q, k, v = (_dense(graph, t) for t in (q, k, v))
+        q3, k3 = q, k
+        q, k = _dense(graph, q), _dense(graph, k)
+        if split is not None:
+            v, lead = split, list(_shape(split)[:2])
+            q, k = (insert_call(graph, aten.view.default, (t, lead + list(_shape(t)[1:]))) for t in (q, k))
+        else:
+            v = _dense(graph, v, keep_sequence_major=True)
         fwd = insert_call(graph, torch.ops.cstack.flash_attention_fwd.default, (q, k, v, causal, scale))
         out, lse = (insert_call(graph, operator.getitem, (fwd, i)) for i in (0, 1))
     save_for_backward(fwd, out, lse)
@@ -46,8 +118,13 @@ def _flash(graph, q, k, v, causal, scale, grad, where_fwd, where_bwd):
         return out, None
     with graph.inserting_before(where_bwd):
         grad = _dense(graph, grad)
+        if split is not None:
+            grad = insert_call(graph, aten.view.default, (grad, list(_shape(q))))
         bwd = insert_call(graph, torch.ops.cstack.flash_attention_bwd.default, (grad, q, k, v, out, lse, causal, scale))
-        return out, tuple(insert_call(graph, operator.getitem, (bwd, i)) for i in range(3))
+        dq, dk, dv = (insert_call(graph, operator.getitem, (bwd, i)) for i in range(3))
+        if split is not None:
+            dq, dk = (insert_call(graph, aten.view.default, (g, list(_shape(t)))) for g, t in ((dq, q3), (dk, k3)))
+        return out, (dq, dk, dv)
 
 
 def _rewrite(graph, plan, order):
@@ -64,7 +141,7 @@ def _rewrite(graph, plan, order):
     first = min(exits, key=order.__getitem__) if exits else None
     out, grads = _flash(graph, q, k, plan["v"], plan["causal"], plan["scale"],
                         plan["grad"] if exits else None, plan["pv"], first)
-    _replace(graph, plan["pv"], out)
+    bypassed = _replace(graph, plan["pv"], out)
     if grads is not None:
         dq, dk, dv = grads
         if learned is not None:
@@ -84,8 +161,8 @@ def _rewrite(graph, plan, order):
             with graph.inserting_before(plan["dk"]):
                 _replace(graph, plan["dk"], insert_call(graph, aten.permute.default, (dk, [0, 2, 1])))
         if plan["dv"] is not None:
-            _replace(graph, plan["dv"], dv)
-    return erase_dead(graph, [plan["pv"], *exits])
+            bypassed += _replace(graph, plan["dv"], dv)
+    return erase_dead(graph, [plan["pv"], *exits, *bypassed])
 
 
 def _repeat_heads(graph, t, heads):
@@ -114,12 +191,11 @@ def _sdpa_rewrite(graph, node, plan):
             k, v = _repeat_heads(graph, k, heads), _repeat_heads(graph, v, heads)
     out, grads = _flash(graph, plan["q"], k, v, plan["causal"], plan["scale"],
                         bwd.args[0] if bwd is not None else None, node, bwd)
-    if plan["out"] is not None:
-        _replace(graph, plan["out"], out)
+    bypassed = _replace(graph, plan["out"], out) if plan["out"] is not None else []
     if grads is not None and k is not plan["k"]:
         with graph.inserting_before(bwd):  # after the new backward
             grads = (grads[0], _sum_heads(graph, grads[1], plan["k"]), _sum_heads(graph, grads[2], plan["v"]))
     for i, g in plan["grads"].items():
         if i < 3:
-            _replace(graph, g, grads[i])
-    return erase_dead(graph, [*plan["grads"].values(), plan["out"] or node, node])
+            bypassed += _replace(graph, g, grads[i])
+    return erase_dead(graph, [*plan["grads"].values(), plan["out"] or node, node, *bypassed])
