@@ -10,9 +10,11 @@ matmul FLOPs. A moved value is copied out in the forward once its last
 reader there is done, and copied back in the backward before its first use,
 the next ones' copies started ahead (custom_ops/activation_offload).
 
-A saved value stays on the GPU (counted as such) if it is small, not
-contiguous, a view, a graph input, one of the forward's own outputs, or
-viewed by anything the forward returns.
+A saved value stays on the GPU (counted as such) if it is small, overlapping
+or with gaps (not dense), a view, a graph input, one of the forward's own
+outputs, or viewed by anything the forward returns. A dense value laid out in
+another dimension order (attention's output in v's layout) travels as its
+memory seen contiguous, and is permuted back after the reload.
 """
 import torch
 import torch.fx as fx
@@ -34,6 +36,16 @@ def saved_inputs(backward: fx.GraphModule) -> list[fx.Node]:
 def saved_names(backward: fx.GraphModule) -> set[str]:
     """Names of the values a partition's forward saves for its backward."""
     return {n.name for n in saved_inputs(backward)}
+
+
+def _memory_order(val: torch.Tensor) -> list[int]:
+    """The permute of a dense tensor's dims that makes it contiguous (largest stride first)."""
+    return sorted(range(val.dim()), key=lambda d: (-val.stride(d), d))
+
+
+def _is_dense(val: torch.Tensor) -> bool:
+    """Whether ``val`` fills its memory without overlaps or gaps, in some order of its dims."""
+    return val.permute(_memory_order(val)).is_contiguous()
 
 
 def _is_view(node: fx.Node) -> bool:
@@ -114,7 +126,7 @@ def movable_values(forward: fx.GraphModule, backward: fx.GraphModule, user_outpu
     for node in outputs[user_outputs:]:
         val = node.meta.get("val") if isinstance(node, fx.Node) else None
         if (node.name in saved and node not in returned and node.op == "call_function" and not _is_view(node)
-                and isinstance(val, torch.Tensor) and val.device == device and val.is_contiguous()
+                and isinstance(val, torch.Tensor) and val.device == device and _is_dense(val)
                 and tensor_bytes(val) >= MIN_BYTES and _order_after(node) is not None):
             movable.append(node)
     return list(dict.fromkeys(movable))
@@ -150,26 +162,38 @@ def apply(forward: fx.GraphModule, backward: fx.GraphModule, nodes: list[fx.Node
     for node in nodes:
         after = _order_after(node)
         val = node.meta["val"]
+        order = _memory_order(val)
+        source, memory = node, val.permute(order)  # memory: val seen contiguous (val itself if it is)
         with graph.inserting_after(max(after, key=position.__getitem__, default=node)):
-            host = graph.call_function(OFFLOAD, (node, after, ahead))
+            if order != sorted(order):
+                source = graph.call_function(torch.ops.aten.permute.default, (node, order))
+                source.meta["val"] = memory
+        with graph.inserting_after(source if source is not node else max(after, key=position.__getitem__,
+                                                                            default=node)):
+            host = graph.call_function(OFFLOAD, (source, after, ahead))
         with val.fake_mode:
-            host.meta["val"] = OFFLOAD(val, [a.meta["val"] for a in after], ahead)
+            host.meta["val"] = OFFLOAD(memory, [a.meta["val"] for a in after], ahead)
         replacement[node] = host
-        moved[node.name] = val
+        moved[node.name] = val, order
     output.args = (tuple(replacement.get(n, n) for n in output.args[0]),) + output.args[1:]
     forward.recompile()
 
     graph = backward.graph
     position = {n: i for i, n in enumerate(graph.nodes)}
     for placeholder in graph.find_nodes(op="placeholder"):
-        val = moved.get(placeholder.name)
-        if val is None or not placeholder.users:
+        if placeholder.name not in moved or not placeholder.users:
             continue
+        val, order = moved[placeholder.name]
         first = min(placeholder.users, key=position.__getitem__)
+        memory = val.permute(order)
         with val.fake_mode:
-            placeholder.meta["val"] = torch.empty(val.shape, dtype=val.dtype, device="cpu")
+            placeholder.meta["val"] = torch.empty(memory.shape, dtype=val.dtype, device="cpu")
         with graph.inserting_before(first):
             gpu = graph.call_function(RELOAD, (placeholder, val.device, ahead))
-        gpu.meta["val"] = val
-        placeholder.replace_all_uses_with(gpu, delete_user_cb=lambda user: user is not gpu)
+            gpu.meta["val"] = memory
+            back = gpu
+            if order != sorted(order):
+                back = graph.call_function(torch.ops.aten.permute.default, (gpu, [order.index(d) for d in range(val.dim())]))
+                back.meta["val"] = val
+        placeholder.replace_all_uses_with(back, delete_user_cb=lambda user: user is not gpu)
     backward.recompile()

@@ -175,6 +175,32 @@ def test_a_matmul_output_moves_after_the_matmul_that_ends_its_reading(monkeypatc
     torch.testing.assert_close(backward(*outputs[1:], None), expected, rtol=0, atol=0)
 
 
+def transposed_result(x, w, v):
+    hidden = (x @ w).t().clone()  # dense, laid out [32, 64] column-major: not a view, not contiguous
+    return torch.tanh(hidden).t() @ v
+
+
+def test_a_dense_value_in_another_dim_order_moves_as_its_memory(monkeypatch):
+    """Attention's output in v's layout: copied out as its memory seen contiguous (a permute, no
+    copy), and permuted back to its strides after the reload."""
+    monkeypatch.setattr(offload, "MIN_BYTES", 1)
+    forward, backward = partition_of(transposed_result, MLP_ARGS, saved=["clone"])
+    (clone,) = offload.movable_values(forward, backward, 1, CPU)
+    assert clone.name == "clone" and not clone.meta["val"].is_contiguous()
+    expected = backward(*forward(*MLP_ARGS)[1:], None)
+    offload.apply(forward, backward, [clone])
+    (copy_out,) = forward.graph.find_nodes(op="call_function", target=offload.OFFLOAD)
+    assert copy_out.args[0].target is torch.ops.aten.permute.default and copy_out.args[0].args[0] is clone
+    assert copy_out.args[0].meta["val"].is_contiguous()
+    (copy_back,) = backward.graph.find_nodes(op="call_function", target=offload.RELOAD)
+    (back,) = copy_back.users
+    assert back.target is torch.ops.aten.permute.default
+    assert back.meta["val"].stride() == clone.meta["val"].stride() and back.meta["val"].shape == clone.meta["val"].shape
+    outputs = forward(*MLP_ARGS)
+    assert outputs[1].device == CPU
+    torch.testing.assert_close(backward(*outputs[1:], None), expected, rtol=0, atol=0)
+
+
 @pytest.mark.parametrize("why, fn, saved, min_bytes", [
     ("returned to the caller too", lambda x, w, v: (x @ w).tanh(), ["tanh"], 1),
     ("a view of it is saved", viewed, ["mm", "view"], 1),
