@@ -12,8 +12,9 @@ The estimate is deliberately simple and errs high; it is a guard, not a plan.
 - Compiled with our ops: no S×S and no T×V tensor. Per layer and token the
   step saves what AOTAutograd's partitioner chooses at the activation memory
   budget. For the full preset's block that choice was measured at budgets
-  0.04 apart and around each change (torch 2.13 and 2.11, BENCHMARKS.md) and
-  is looked up. Any other block is bounded by a line between a floor (the
+  0.02 apart (torch 2.13, since attention reads v in place and writes its
+  output in v's layout; the H200's torch 2.11 saved the same at 0.6,
+  BENCHMARKS.md) and is looked up. Any other block is bounded by a line between a floor (the
   block input, the rotated queries, and the attention output and its
   log-sum-exp, which our passes mark must-save) and what the partitioner
   saves at budget 1.0 (up to ten d-wide tensors, three d_ff-wide ones, the
@@ -48,12 +49,12 @@ KNAPSACK_OVERSHOOT = 1.1
 # d_ff, heads, bytes per element): (budget from which a plan holds, d-wide tensors, d_ff-wide
 # tensors) saved per token besides the log-sum-exp and the norms' statistics. Each plan is
 # entered at the last measured budget below the one where it was seen, so the lookup errs high.
-# At 0.58 (6, 2): every matmul output the backward needs is saved; only norms are recomputed.
+# From 0.62 (6, 2): every matmul output the backward needs is saved; only norms are recomputed.
 MEASURED_PLANS = {
     (4096, 11008, 32, 2): (
-        (0.0, 2, 0), (0.06, 3, 0), (0.12, 4, 0), (0.16, 2, 1), (0.18, 5, 0), (0.22, 6, 0), (0.26, 4, 1),
-        (0.30, 2, 2), (0.34, 5, 1), (0.38, 3, 2), (0.40, 6, 1), (0.42, 4, 2), (0.50, 5, 2), (0.58, 6, 2),
-        (0.98, 9, 3),
+        (0.0, 2, 0), (0.06, 3, 0), (0.12, 4, 0), (0.16, 2, 1), (0.18, 5, 0), (0.24, 3, 1), (0.26, 6, 0),
+        (0.30, 4, 1), (0.34, 2, 2), (0.36, 5, 1), (0.42, 3, 2), (0.44, 6, 1), (0.48, 4, 2), (0.54, 5, 2),
+        (0.62, 6, 2), (0.98, 8, 3),
     ),
 }
 

@@ -1,7 +1,9 @@
 """The Gluon kernels for Hopper (sm_90) and their launchers: a warp-specialized forward
 (``hopper_fwd``) and a one-pass backward (``hopper_bwd``: five tile matmuls per tile pair where
 the two Triton kernels need seven). The CUDA ops run them on the inputs ``uses_hopper_kernels``
-accepts (16-bit, D = 64 or 128, whole 128-row tiles); BENCHMARKS.md has the figures.
+accepts (16-bit, D = 64 or 128, whole 128-row tiles); BENCHMARKS.md has the figures. q, k and
+dO are read dense; v dense or sequence-major (``layouts``: heads split off a projection), in
+place, with out and dv written in v's layout.
 
 Backward: the Triton backward recomputes S = QKᵀ and dP = dO·Vᵀ in both of its kernels: seven
 tile matmuls per (query tile, key tile). One pass needs five, but its dQ = dS·K must be summed
@@ -41,8 +43,8 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor as GluonTensorDescriptor
 
 from custom_ops.attention.configs import (
-    DQ_FRAGMENT_ROW, HOPPER_BWD, HOPPER_BWD_PEEL_DIAGONAL, HOPPER_BWD_ROWS, HOPPER_BWD_TMA_EPILOGUE, HOPPER_FWD, HOPPER_FWD_COMPUTE_REGS,
-    HOPPER_HEAD_DIMS, LOG2E, _LN2)
+    DQ_FRAGMENT_ROW, HOPPER_BWD, HOPPER_BWD_PEEL_DIAGONAL, HOPPER_BWD_ROWS, HOPPER_BWD_TMA_EPILOGUE, HOPPER_FWD,
+    HOPPER_FWD_COMPUTE_REGS, HOPPER_HEAD_DIMS, LOG2E, _LN2)
 from custom_ops.attention.layouts import empty_like_v, is_sequence_major
 from custom_ops.attention.triton_kernels import _as_4d, _delta, _empty_bwd, _empty_fwd, _no_heads
 
