@@ -164,17 +164,17 @@ def apply(forward: fx.GraphModule, backward: fx.GraphModule, nodes: list[fx.Node
         val = node.meta["val"]
         order = _memory_order(val)
         source, memory = node, val.permute(order)  # memory: val seen contiguous (val itself if it is)
-        with graph.inserting_after(max(after, key=position.__getitem__, default=node)):
-            if order != sorted(order):
-                source = graph.call_function(torch.ops.aten.permute.default, (node, order))
-                source.meta["val"] = memory
-        with graph.inserting_after(source if source is not node else max(after, key=position.__getitem__,
-                                                                            default=node)):
+        anchor = max(after, key=position.__getitem__, default=node)
+        if order != sorted(order):
+            with graph.inserting_after(anchor):
+                source = anchor = graph.call_function(torch.ops.aten.permute.default, (node, order))
+            source.meta["val"] = memory
+        with graph.inserting_after(anchor):
             host = graph.call_function(OFFLOAD, (source, after, ahead))
         with val.fake_mode:
             host.meta["val"] = OFFLOAD(memory, [a.meta["val"] for a in after], ahead)
         replacement[node] = host
-        moved[node.name] = val, order
+        moved[node.name] = val, memory, order
     output.args = (tuple(replacement.get(n, n) for n in output.args[0]),) + output.args[1:]
     forward.recompile()
 
@@ -183,9 +183,8 @@ def apply(forward: fx.GraphModule, backward: fx.GraphModule, nodes: list[fx.Node
     for placeholder in graph.find_nodes(op="placeholder"):
         if placeholder.name not in moved or not placeholder.users:
             continue
-        val, order = moved[placeholder.name]
+        val, memory, order = moved[placeholder.name]
         first = min(placeholder.users, key=position.__getitem__)
-        memory = val.permute(order)
         with val.fake_mode:
             placeholder.meta["val"] = torch.empty(memory.shape, dtype=val.dtype, device="cpu")
         with graph.inserting_before(first):

@@ -17,8 +17,8 @@ def _is_dense_copy(node) -> bool:
         torch.contiguous_format, torch.preserve_format)
 
 
-def _merge_as_view(graph, old, user, new) -> list:
-    """Where ``user`` of ``old`` merges heads (a view to [B, H, S, D] unless old is one already, a
+def _merge_as_view(graph, user, new) -> list:
+    """Where ``user`` (of the value ``new`` replaces) merges heads (a view to [B, H, S, D] unless old is one already, a
     permute, a dense copy: ``out.transpose(1, 2).reshape(B, S, H·D)``, or dv's way back into its
     projection) and, on ``new`` (our op's output in v's layout), the permute alone is already
     dense: the copies' users take that permute instead. Returns the copies bypassed (none if the
@@ -51,18 +51,20 @@ def _replace(graph, old, new) -> list:
     the others get new copied into old's shape and strides, which later views rely on."""
     bypassed = []
     for user in list(old.users):
-        bypassed += _merge_as_view(graph, old, user, new)
-    want, have = old.meta["val"], new.meta["val"]
+        bypassed += _merge_as_view(graph, user, new)
+    want = old.meta["val"]
     significant = [d for d in range(want.dim()) if want.shape[d] != 1]
-    if old.users and (want.shape != have.shape or any(want.stride(d) != have.stride(d) for d in significant)):
-        order = sorted(range(want.dim()), key=lambda d: (-want.stride(d), d))
+    if old.users:
         with graph.inserting_before(old):
-            if want.shape != have.shape:  # a 4-d output for a 3-d bmm's: dense, then the bmm's shape
+            if want.shape != new.meta["val"].shape:  # a 4-d output for a 3-d bmm's: dense, then the bmm's shape
                 new = insert_call(graph, aten.clone.default, (new,), {"memory_format": torch.contiguous_format})
                 new = insert_call(graph, aten.view.default, (new, list(want.shape)))
-            moved = insert_call(graph, aten.permute.default, (new, order))
-            dense = insert_call(graph, aten.clone.default, (moved,), {"memory_format": torch.contiguous_format})
-            new = insert_call(graph, aten.permute.default, (dense, [order.index(d) for d in range(want.dim())]))
+            have = new.meta["val"]
+            if any(want.stride(d) != have.stride(d) for d in significant):
+                order = sorted(range(want.dim()), key=lambda d: (-want.stride(d), d))
+                moved = insert_call(graph, aten.permute.default, (new, order))
+                dense = insert_call(graph, aten.clone.default, (moved,), {"memory_format": torch.contiguous_format})
+                new = insert_call(graph, aten.permute.default, (dense, [order.index(d) for d in range(want.dim())]))
     old.replace_all_uses_with(new)
     return bypassed
 
