@@ -40,6 +40,8 @@ from custom_ops.linear_cross_entropy import configs as xent_configs  # noqa: E40
 from custom_ops.linear_cross_entropy import triton_kernels as xent_kernels  # noqa: E402
 from custom_ops.newton_schulz import configs as ns_configs  # noqa: E402
 from custom_ops.newton_schulz import triton_kernels as ns_kernels  # noqa: E402
+from custom_ops.rope import configs as rope_configs  # noqa: E402
+from custom_ops.rope import triton_kernels as rope_kernels  # noqa: E402
 
 # The most shared memory one thread block may opt into: 227 KiB on sm_90 and on sm_100
 # (CUDA C++ Programming Guide, "Technical Specifications per Compute Capability").
@@ -102,6 +104,21 @@ def row_kernel_sources():
            **{k: "constexpr" for k in constexprs}}
     yield ("adamw bf16", tc.ASTSource(fn=adamw_kernels._adamw_kernel, signature=sig, constexprs=constexprs),
            {"num_warps": adamw_configs.NUM_WARPS})
+
+
+def rope_sources():
+    """(name, ASTSource, compile options) of the RoPE kernel at D=128 in bf16: each pairing, both
+    directions, half-width tables, and HF's full-width ones."""
+    sig = {**{k: "*bf16" for k in ("src", "cos", "sin", "dst")}, **{k: "i32" for k in ("n_rows", "n1", "n2")},
+           **{f"{t}_s{i}": "i64" for t in ("src", "cos", "sin") for i in range(3)}}
+    variants = [(i, o, inv, False) for i in (False, True) for o in (False, True) for inv in (False, True)]
+    for interleaved_in, interleaved_out, inverse, full in variants + [(False, False, False, True)]:
+        constexprs = {"HALF": 64, "FULL_TABLE": full, "INTERLEAVED_IN": interleaved_in,
+                      "INTERLEAVED_OUT": interleaved_out, "INVERSE": inverse, "BLOCK": rope_configs.BLOCK_ROWS}
+        name = f"rope in{'I' if interleaved_in else 'H'} out{'I' if interleaved_out else 'H'}" \
+               f"{' inverse' if inverse else ''}{' full' if full else ''}"
+        yield (name, tc.ASTSource(fn=rope_kernels._rope_kernel, signature={**sig, **{k: "constexpr" for k in constexprs}},
+                                  constexprs=constexprs), {"num_warps": rope_configs.NUM_WARPS})
 
 
 def newton_schulz_sources():
@@ -223,7 +240,7 @@ def main() -> None:
                         help="compute capability major·10 + minor: 90 (H100/H200) or 100 (B200)")
     arch = parser.parse_args().arch
     sources = [s for d in configs.HEAD_DIMS for s in attention_sources(d)] + [
-        *row_kernel_sources(), *newton_schulz_sources(), *batched_qr_sources()]
+        *row_kernel_sources(), *newton_schulz_sources(), *batched_qr_sources(), *rope_sources()]
     if arch == 90:
         sources += hopper_sources()
     shared, spills = {}, {}

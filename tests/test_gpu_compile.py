@@ -16,10 +16,11 @@ from custom_ops import attention as A
 # which ran as fast as with v dense (paired runs, BENCHMARKS.md).
 HOPPER_BWD_SPILL_BYTES = {"hopper_bwd bfloat16": 4, "hopper_bwd bfloat16 v sequence-major": 16}
 # Per head dim the forward, dK/dV, dQ and delta kernels, then the cross-entropy row kernel and
-# AdamW, the Newton–Schulz kernels (three symmetric products, two GEMMs) and the batched QR's (three
-# tile kernels, the streamed panel, two applies); on sm_90 also, per head dim they take, the two
+# AdamW, the Newton–Schulz kernels (three symmetric products, two GEMMs), the batched QR's (three
+# tile kernels, the streamed panel, two applies) and RoPE's (four pairings both ways, and HF's
+# full-width tables: gpu_compile.rope_sources); on sm_90 also, per head dim they take, the two
 # Gluon kernels in three variants (bf16 with v in either layout, fp16), the row-stats delta and the dQ cast.
-ANY_GPU = 4 * len(A.HEAD_DIMS) + 2 + 5 + 6
+ANY_GPU = 4 * len(A.HEAD_DIMS) + 2 + 5 + 6 + 9
 KERNELS = {90: ANY_GPU + 8 * len(A.HOPPER_HEAD_DIMS), 100: ANY_GPU}
 
 

@@ -106,7 +106,7 @@ def test_default_pipeline_is_the_project_passes_only():
 
     pipeline = [p.name for p in registry.resolve(None)]
     assert "test_only_probe" not in pipeline
-    assert set(pipeline) == {"param_data", "attention", "cross_entropy", "adamw", "linalg_qr", "newton_schulz"}
+    assert set(pipeline) == {"param_data", "rope", "attention", "cross_entropy", "adamw", "linalg_qr", "newton_schulz"}
     assert [p.name for p in registry.resolve(["test_only_probe"])] == ["test_only_probe"]
 
 

@@ -1,0 +1,238 @@
+"""A tensor's value as a sum of products, element by element along its trailing dims.
+
+``form_of(node)`` describes ``node`` as
+
+    value[..., t] = Σ_k sign_k[t] · leaf_k[..., index_k[t]] · table_k[..., table_index_k[t]]
+
+where ``...`` are leading dims every leaf shares with the value, ``t`` runs over the trailing
+dims, and each term has at most one table factor. Rotations are built this way whatever the
+spelling: pairs taken by strided or half slices, ``chunk``/``split``, or ``unflatten`` then
+``unbind``/indexing, combined by mul/sub/add/neg, put together by ``cat``, or by ``stack`` then
+``flatten``, through widening casts. Any other node is a leaf: its own value, indexed by its last dim. The terms are integer
+arrays, so a form is checked against a rotation's arithmetic directly (``passes/rope``).
+"""
+import dataclasses
+import operator
+
+import torch
+
+from passes.graph_edit import fake_value
+
+aten, prims = torch.ops.aten, torch.ops.prims
+# Fields of a term array, along its dim 1.
+LEAF, INDEX, TABLE, TABLE_INDEX, SIGN = range(5)
+NO_TABLE = -1
+WIDENING = {(torch.float16, torch.float32), (torch.bfloat16, torch.float32)}
+VIEW_OPS = {aten.view.default, aten._unsafe_view.default, aten.reshape.default}
+COPY_OPS = {aten.clone.default, aten.alias.default}
+CONVERT_OPS = {prims.convert_element_type.default, aten._to_copy.default}
+
+
+@dataclasses.dataclass
+class Form:
+    """``terms``: int64 [number of terms, 5 fields, *trailing shape]; ``lead``: the leading shape."""
+    lead: tuple
+    terms: torch.Tensor
+
+    @property
+    def trailing(self) -> tuple:
+        return tuple(self.terms.shape[2:])
+
+    def is_bare_leaf(self) -> bool:
+        return self.terms.shape[0] == 1 and len(self.trailing) == 1 and bool(
+            (self.terms[0, INDEX] == torch.arange(self.trailing[0])).all()
+            and (self.terms[0, TABLE] == NO_TABLE).all() and (self.terms[0, SIGN] == 1).all())
+
+
+class Forms:
+    """Forms of a graph's nodes, memoised; ``nodes`` numbers the leaves and tables they name."""
+
+    def __init__(self):
+        self.nodes: list[torch.fx.Node] = []
+        self._ids: dict[torch.fx.Node, int] = {}
+        self._memo: dict[torch.fx.Node, Form | None] = {}
+
+    def node_id(self, node: torch.fx.Node) -> int:
+        if node not in self._ids:
+            self._ids[node] = len(self.nodes)
+            self.nodes.append(node)
+        return self._ids[node]
+
+    def of(self, node) -> Form | None:
+        """``node``'s form; None for anything but a float tensor of rank >= 1."""
+        if node not in self._memo:
+            val = fake_value(node) if isinstance(node, torch.fx.Node) else None
+            if not isinstance(val, torch.Tensor) or val.dim() == 0 or not val.dtype.is_floating_point:
+                self._memo[node] = None
+            else:
+                rule = _RULES.get(node.target) if node.op == "call_function" else None
+                self._memo[node] = (rule(self, node, val) if rule else None) or self._leaf(node, val)
+        return self._memo[node]
+
+    def _leaf(self, node, val) -> Form:
+        width = val.shape[-1]
+        terms = torch.zeros(1, 5, width, dtype=torch.int64)
+        terms[0, LEAF] = self.node_id(node)
+        terms[0, INDEX] = torch.arange(width)
+        terms[0, TABLE] = NO_TABLE
+        terms[0, SIGN] = 1
+        return Form(tuple(val.shape[:-1]), terms)
+
+
+def _trailing_axis(form: Form, dim: int, rank: int) -> int | None:
+    """The term array's axis for tensor dim ``dim``, if it is a trailing dim of ``form``."""
+    dim = dim % rank
+    first = rank - len(form.trailing)
+    return 2 + dim - first if dim >= first else None
+
+
+def _slice(forms, node, val):
+    src, dim, start, end, step = list(node.args) + [None] * (5 - len(node.args))
+    form = forms.of(src)
+    if form is None or not all(isinstance(v, (int, type(None))) for v in (dim, start, end, step)):
+        return None
+    axis = _trailing_axis(form, dim or 0, val.dim())
+    if axis is None:
+        return None
+    index = torch.arange(form.terms.shape[axis])[slice(start, end, step or 1)]
+    return Form(form.lead, form.terms.index_select(axis, index))
+
+
+def _cat(forms, node, val):
+    tensors, dim = node.args[0], node.args[1] if len(node.args) > 1 else node.kwargs.get("dim", 0)
+    parts = [forms.of(t) for t in tensors]
+    if any(p is None for p in parts) or len({p.lead for p in parts}) != 1 or \
+            len({p.terms.shape[0] for p in parts}) != 1:
+        return None
+    axes = {_trailing_axis(p, dim, val.dim()) for p in parts}
+    if len(axes) != 1 or None in axes:
+        return None
+    return Form(parts[0].lead, torch.cat([p.terms for p in parts], dim=axes.pop()))
+
+
+def _unsqueeze(forms, node, val):
+    form = forms.of(node.args[0])
+    if form is None:
+        return None
+    dim = node.args[1] % val.dim()
+    first = len(form.lead)
+    if dim < first:
+        return None
+    return Form(form.lead, form.terms.unsqueeze(2 + dim - first))
+
+
+def _view(forms, node, val):
+    form = forms.of(node.args[0])
+    shape = tuple(val.shape)
+    if form is None or shape[:len(form.lead)] != form.lead or len(shape) == len(form.lead):
+        return None
+    return Form(form.lead, form.terms.reshape(form.terms.shape[:2] + shape[len(form.lead):]))
+
+
+def _same(forms, node, val):
+    return forms.of(node.args[0])
+
+
+def _convert(forms, node, val):
+    src = fake_value(node.args[0])
+    return forms.of(node.args[0]) if src.dtype == val.dtype or (src.dtype, val.dtype) in WIDENING else None
+
+
+def _negated(form: Form) -> Form:
+    terms = form.terms.clone()
+    terms[:, SIGN] *= -1
+    return Form(form.lead, terms)
+
+
+def _neg(forms, node, val):
+    form = forms.of(node.args[0])
+    return form and _negated(form)
+
+
+def _add(forms, node, val, subtract=False):
+    a, b = (forms.of(x) for x in node.args[:2])
+    if a is None or b is None or node.kwargs.get("alpha", 1) != 1 or len(node.args) > 2 or \
+            a.lead != b.lead or a.trailing != b.trailing or a.lead + a.trailing != tuple(val.shape):
+        return None
+    return Form(a.lead, torch.cat([a.terms, (_negated(b) if subtract else b).terms]))
+
+
+def _mul(forms, node, val):
+    """A form without tables times a table: a leaf broadcast over the form's leading dims, as wide
+    as the form's one trailing dim. Of two leaves, the one with fewer elements is the table."""
+    if len(node.args) != 2 or not all(isinstance(a, torch.fx.Node) for a in node.args):
+        return None
+    a, b = node.args
+    fa, fb = forms.of(a), forms.of(b)
+    if fa is None or fb is None:
+        return None
+    if fa.is_bare_leaf() and (not fb.is_bare_leaf() or fake_value(a).numel() < fake_value(b).numel()):
+        (a, fa), (b, fb) = (b, fb), (a, fa)
+    table = fake_value(b)
+    if not fb.is_bare_leaf() or len(fa.trailing) != 1 or (fa.terms[:, TABLE] != NO_TABLE).any() \
+            or fa.lead + fa.trailing != tuple(val.shape) or table.dim() > val.dim() or table.shape[-1] != fa.trailing[0]:
+        return None
+    terms = fa.terms.clone()
+    terms[:, TABLE] = forms.node_id(b)
+    terms[:, TABLE_INDEX] = torch.arange(fa.trailing[0])
+    return Form(fa.lead, terms)
+
+
+_RULES = {
+    aten.slice.Tensor: _slice, aten.cat.default: _cat, aten.unsqueeze.default: _unsqueeze,
+    aten.neg.default: _neg, aten.add.Tensor: _add, aten.sub.Tensor: lambda f, n, v: _add(f, n, v, subtract=True),
+    aten.mul.Tensor: _mul,
+    **{op: _view for op in VIEW_OPS}, **{op: _same for op in COPY_OPS}, **{op: _convert for op in CONVERT_OPS},
+}
+
+
+def _stack(forms, node, val):
+    tensors, dim = node.args[0], node.args[1] if len(node.args) > 1 else node.kwargs.get("dim", 0)
+    parts = [forms.of(t) for t in tensors]
+    if any(p is None for p in parts) or len({(p.lead, p.terms.shape) for p in parts}) != 1:
+        return None
+    dim = dim % val.dim()
+    first = len(parts[0].lead)
+    if dim < first:
+        return None
+    return Form(parts[0].lead, torch.stack([p.terms for p in parts], dim=2 + dim - first))
+
+
+def _take(form: Form, axis: int, index: torch.Tensor, keep_axis: bool) -> Form:
+    terms = form.terms.index_select(axis, index)
+    return Form(form.lead, terms if keep_axis else terms.squeeze(axis))
+
+
+def _select(forms, node, val):
+    src, dim, index = node.args
+    form = forms.of(src)
+    axis = form and _trailing_axis(form, dim, val.dim() + 1)
+    if axis is None or not isinstance(index, int):
+        return None
+    return _take(form, axis, torch.tensor([index % form.terms.shape[axis]]), keep_axis=False)
+
+
+def _piece(forms, node, val):
+    """Item ``i`` of a split, split_with_sizes or unbind along a trailing dim."""
+    multi, i = node.args
+    if not isinstance(multi, torch.fx.Node) or multi.target not in _PIECES or not isinstance(i, int):
+        return None
+    src = multi.args[0]
+    form = forms.of(src)
+    at = 1 if multi.target is aten.unbind.int else 2  # where the dim argument is
+    dim = multi.args[at] if len(multi.args) > at else multi.kwargs.get("dim", 0)
+    axis = form and _trailing_axis(form, dim, fake_value(src).dim())
+    if axis is None:
+        return None
+    size = form.terms.shape[axis]
+    if multi.target is aten.unbind.int:
+        return _take(form, axis, torch.tensor([i]), keep_axis=False)
+    sizes = multi.args[1]
+    if multi.target is aten.split.Tensor:
+        sizes = [min(sizes, size - start) for start in range(0, size, sizes)]
+    start = sum(sizes[:i])
+    return _take(form, axis, torch.arange(start, start + sizes[i]), keep_axis=True)
+
+
+_PIECES = {aten.split.Tensor, aten.split_with_sizes.default, aten.unbind.int}
+_RULES.update({aten.stack.default: _stack, aten.select.int: _select, operator.getitem: _piece})

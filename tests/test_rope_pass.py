@@ -1,0 +1,234 @@
+"""The RoPE pass: rotations as people write them become cstack.rope; anything else stays.
+
+Each case compiles a small model (two projections, heads split off them, both rotated, then
+Q·Kᵀ) with PassBackend(codegen=False) and checks the op in the forward graph, the count of
+replacements (q and k), and the loss and gradients against eager. The spellings follow the
+public code they are modelled on, written here independently.
+"""
+import math
+
+import pytest
+import torch
+import torch.nn as nn
+
+import passes.rope  # noqa: F401  (registers the pass)
+from compile_stack.capture import PassBackend
+from passes.registry import REPORT, register_pass
+from tests.helpers import rel_err
+
+SEQ, HEADS, HEAD_DIM = 12, 2, 16
+GRAPHS: list[torch.fx.Graph] = []
+ROPE = torch.ops.cstack.rope.default
+
+
+@register_pass("rope_test_probe", stage="post_grad")
+def _probe(graph: torch.fx.Graph) -> int:
+    GRAPHS.append(graph)
+    return 0
+
+
+def half_angles(seq, dim, base=10000.0):
+    inv = 1.0 / base ** (torch.arange(0, dim, 2).float() / dim)
+    return torch.outer(torch.arange(seq).float(), inv)
+
+
+class PairsThenHalves(nn.Module):
+    """Interleaved pairs in, first-of-pair then second-of-pair out; [S, D/2] buffers sliced."""
+
+    def __init__(self, dim):
+        super().__init__()
+        angles = half_angles(64, dim)
+        self.register_buffer("cos", angles.cos(), persistent=False)
+        self.register_buffer("sin", angles.sin(), persistent=False)
+
+    def forward(self, x):
+        cos, sin = self.cos[: x.shape[-2]], self.sin[: x.shape[-2]]
+        x1, x2 = x[..., ::2], x[..., 1::2]
+        return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+
+
+def rotate_half(x):
+    x1 = x[..., : x.shape[-1] // 2]
+    x2 = x[..., x.shape[-1] // 2:]
+    return torch.cat((-x2, x1), dim=-1)
+
+
+class RotateHalf(nn.Module):
+    """HF's Llama: full-width tables made in the forward from inv_freq and positions."""
+
+    def __init__(self, dim):
+        super().__init__()
+        self.register_buffer("inv_freq", 1.0 / 10000 ** (torch.arange(0, dim, 2).float() / dim), persistent=False)
+
+    def forward(self, x):
+        position_ids = torch.arange(x.shape[-2], device=x.device)[None, :].expand(x.shape[0], -1)
+        freqs = (self.inv_freq[None, :, None] @ position_ids[:, None, :].float()).transpose(1, 2)
+        emb = torch.cat((freqs, freqs), dim=-1)
+        cos, sin = emb.cos().to(x.dtype).unsqueeze(1), emb.sin().to(x.dtype).unsqueeze(1)
+        return (x * cos) + (rotate_half(x) * sin)
+
+
+class ChunkHalves(nn.Module):
+    """GPT-NeoX style written out: halves by chunk, half-width tables."""
+
+    def __init__(self, dim):
+        super().__init__()
+        angles = half_angles(SEQ, dim)
+        self.register_buffer("c", angles.cos())
+        self.register_buffer("s", angles.sin())
+
+    def forward(self, x):
+        a, b = x.chunk(2, dim=-1)
+        return torch.cat([a * self.c - b * self.s, b * self.c + a * self.s], dim=-1)
+
+
+class StackFlatten(nn.Module):
+    """A course's RoPE: interleaved in and out (stack, flatten), tables gathered by positions."""
+
+    def __init__(self, dim):
+        super().__init__()
+        angles = half_angles(64, dim)
+        self.register_buffer("cos", angles.cos(), persistent=False)
+        self.register_buffer("sin", angles.sin(), persistent=False)
+
+    def forward(self, x):
+        positions = torch.arange(x.shape[-2])
+        cos, sin = self.cos[positions], self.sin[positions]
+        x1, x2 = x[..., 0::2], x[..., 1::2]
+        return torch.stack([x1 * cos - x2 * sin, x1 * sin + x2 * cos], dim=-1).flatten(-2)
+
+
+class UnbindUpcast(nn.Module):
+    """Pairs by unflatten + unbind, math in fp32, cast back at the end, the sin term first."""
+
+    def __init__(self, dim):
+        super().__init__()
+        angles = half_angles(SEQ, dim)
+        self.register_buffer("cos", angles.cos())
+        self.register_buffer("sin", angles.sin())
+
+    def forward(self, x):
+        even, odd = x.float().unflatten(-1, (-1, 2)).unbind(-1)
+        out = torch.stack([-odd * self.sin + even * self.cos, odd * self.cos + even * self.sin], -1)
+        return out.flatten(-2).type_as(x)
+
+
+class Heads(nn.Module):
+    def __init__(self, rotary, dim=HEAD_DIM, heads=HEADS):
+        super().__init__()
+        self.heads, self.dim = heads, dim
+        self.q = nn.Linear(heads * dim, heads * dim, bias=False)
+        self.k = nn.Linear(heads * dim, heads * dim, bias=False)
+        self.rotary = rotary
+
+    def forward(self, x):
+        b, s, _ = x.shape
+        q = self.q(x).view(b, s, self.heads, self.dim).transpose(1, 2)
+        k = self.k(x).view(b, s, self.heads, self.dim).transpose(1, 2)
+        q, k = self.rotary(q), self.rotary(k)
+        return q @ k.transpose(-2, -1) / math.sqrt(self.dim)
+
+
+def _run(model, dtype=torch.float32):
+    model = model.to(dtype)
+    x = torch.randn(2, SEQ, model.heads * model.dim, dtype=dtype)
+
+    def step(m):
+        loss = m(x).float().square().mean()
+        return loss.detach(), torch.autograd.grad(loss, list(m.parameters()))
+
+    eager = step(model)
+    torch._dynamo.reset()
+    REPORT.clear()
+    GRAPHS.clear()
+    backend = PassBackend(passes=["rope", "rope_test_probe"], codegen=False)
+    compiled_model = torch.compile(model, backend=backend)
+    with backend.active():
+        compiled = step(compiled_model)
+    return eager, compiled
+
+
+def _rope_calls(graphs):
+    return [n for g in graphs for n in g.nodes if n.target is ROPE]
+
+
+def _close(eager, compiled, tol):
+    assert rel_err(compiled[0], eager[0]) <= tol
+    for ge, gc in zip(eager[1], compiled[1], strict=True):
+        assert rel_err(gc, ge) <= tol
+
+
+@pytest.mark.parametrize("rotary, layout", [
+    (PairsThenHalves, (True, False)),
+    (RotateHalf, (False, False)),
+    (ChunkHalves, (False, False)),
+    (StackFlatten, (True, True)),
+    (UnbindUpcast, (True, True)),
+])
+def test_spellings_become_the_op(rotary, layout):
+    eager, compiled = _run(Heads(rotary(HEAD_DIM)))
+    assert REPORT.replacements["rope"] == 2, REPORT.notes
+    calls = _rope_calls(GRAPHS)
+    assert len(calls) == 2 and all(tuple(c.args[3:6]) == (*layout, False) for c in calls)
+    _close(eager, compiled, 1e-5)
+
+
+def test_bf16_model_rounds_once():
+    """bf16 projections and tables: the op returns bf16, as the graph did."""
+    eager, compiled = _run(Heads(UnbindUpcast(HEAD_DIM)), torch.bfloat16)
+    calls = _rope_calls(GRAPHS)
+    assert len(calls) == 2 and all(c.meta["val"].dtype == torch.bfloat16 for c in calls)
+    _close(eager, compiled, 2e-2)
+
+
+class WrongSign(PairsThenHalves):
+    """Rotated the other way round in the second half: not the op's rotation."""
+
+    def forward(self, x):
+        cos, sin = self.cos[: x.shape[-2]], self.sin[: x.shape[-2]]
+        x1, x2 = x[..., ::2], x[..., 1::2]
+        return torch.cat((x1 * cos - x2 * sin, x2 * cos - x1 * sin), dim=-1)
+
+
+class NoPairs(PairsThenHalves):
+    """Each element scaled by two tables: no pairs at all."""
+
+    def forward(self, x):
+        cos = torch.cat([self.cos, self.cos], -1)[: x.shape[-2]]
+        sin = torch.cat([self.sin, self.sin], -1)[: x.shape[-2]]
+        return x * cos - x * sin
+
+
+class OneTable(PairsThenHalves):
+    def forward(self, x):
+        cos = self.cos[: x.shape[-2]]
+        x1, x2 = x[..., ::2], x[..., 1::2]
+        return torch.cat((x1 * cos - x2 * cos, x2 * cos + x1 * cos), dim=-1)
+
+
+@pytest.mark.parametrize("rotary, note", [
+    (WrongSign, "not as a rotation of pairs"),
+    (NoPairs, "not as a rotation of pairs"),
+    (OneTable, None),
+])
+def test_other_math_is_left_alone(rotary, note):
+    eager, compiled = _run(Heads(rotary(HEAD_DIM)))
+    assert REPORT.replacements["rope"] == 0 and not _rope_calls(GRAPHS)
+    assert (note is None) == (not REPORT.notes)
+    if note:
+        assert any(note in n for n in REPORT.notes), REPORT.notes
+    _close(eager, compiled, 1e-5)
+
+
+def test_head_dim_without_a_kernel_is_left_alone_with_a_note():
+    eager, compiled = _run(Heads(PairsThenHalves(12), dim=12))
+    assert REPORT.replacements["rope"] == 0
+    assert any("D/2 a power of two" in n for n in REPORT.notes), REPORT.notes
+    _close(eager, compiled, 1e-5)
+
+
+def test_float64_is_left_alone_with_a_note():
+    eager, compiled = _run(Heads(PairsThenHalves(HEAD_DIM)), torch.float64)
+    assert REPORT.replacements["rope"] == 0
+    assert any("16/32-bit floats" in n for n in REPORT.notes), REPORT.notes
+    _close(eager, compiled, 1e-12)
