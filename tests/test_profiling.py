@@ -6,7 +6,7 @@ from torch.autograd import DeviceType
 
 from compile_stack.config import PRESETS
 from compile_stack.harness.profiling import CATEGORIES, breakdown, categorize, format_breakdown
-from custom_ops import adamw, attention, linear_cross_entropy
+from custom_ops import adamw, attention, linear_cross_entropy, rope
 
 
 @pytest.mark.parametrize("kernel, category", [
@@ -19,6 +19,7 @@ from custom_ops import adamw, attention, linear_cross_entropy
     (attention._attn_dq_from_fragments_kernel.fn.__name__, "attention"),
     (linear_cross_entropy._xent_rows_kernel.fn.__name__, "cross_entropy"),
     (adamw._adamw_kernel.fn.__name__, "optimizer"),
+    (rope._rope_kernel.fn.__name__, "elementwise_norm"),
     ("sm90_xmma_gemm_bf16bf16_bf16f32_f32_tn_n_tilesize128x256x64", "matmul"),
     ("nvjet_tst_256x128_64x4_1x2_h_bz_coopA_NNT", "matmul"),
     ("triton_red_fused__to_copy_add_mean_mul_pow_rsqrt_0", "elementwise_norm"),

@@ -3,8 +3,8 @@
 Kernels are put in categories by name: our kernels carry the op's name
 (``_attn_*``, ``_xent_rows``, ``_adamw``), cuBLAS/CUTLASS kernels are matmuls
 (the LM head's, inside the cross-entropy op, too),
-Inductor's generated kernels (``triton_poi``/``triton_red``/``triton_per``)
-and torch's elementwise kernels are elementwise/norm, NCCL kernels are
+Inductor's generated kernels (``triton_poi``/``triton_red``/``triton_per``),
+our RoPE kernel (``_rope_kernel``) and torch's elementwise kernels are elementwise/norm, NCCL kernels are
 communication. Each category gets its share of device time, its number of
 kernel launches and, where its work is known from the config, the rate it
 achieved; the largest kernels are listed by name (a recomputed op shows up
@@ -33,7 +33,7 @@ _PATTERNS = [
     ("optimizer", r"adam"),
     ("communication", r"nccl"),
     ("matmul", r"gemm|cutlass|xmma|nvjet|cublas|matmul|sm90_|aten::(add|b)?mm\b"),
-    ("elementwise_norm", r"triton_|elementwise|vectorized|reduce|norm|copy|fill|cat"),
+    ("elementwise_norm", r"triton_|elementwise|vectorized|reduce|norm|copy|fill|cat|rope"),
 ]
 
 
