@@ -35,8 +35,8 @@ _HOOKS = {
     "post_grad": "post_grad_custom_post_pass",
 }
 # Modules whose import registers the project's passes (one per pattern family).
-PASS_MODULES = ("passes.param_data", "passes.rope", "passes.attention", "passes.cross_entropy", "passes.adamw", "passes.linalg_qr",
-                "passes.newton_schulz")
+PASS_MODULES = ("passes.param_data", "passes.rope", "passes.attention", "passes.cross_entropy", "passes.adamw",
+                "passes.linalg_qr", "passes.newton_schulz")
 
 GraphPassFn = Callable[[torch.fx.Graph], int]
 

@@ -117,8 +117,9 @@ def rope_sources():
                       "INTERLEAVED_OUT": interleaved_out, "INVERSE": inverse, "BLOCK": rope_configs.BLOCK_ROWS}
         name = f"rope in{'I' if interleaved_in else 'H'} out{'I' if interleaved_out else 'H'}" \
                f"{' inverse' if inverse else ''}{' full' if full else ''}"
-        yield (name, tc.ASTSource(fn=rope_kernels._rope_kernel, signature={**sig, **{k: "constexpr" for k in constexprs}},
-                                  constexprs=constexprs), {"num_warps": rope_configs.NUM_WARPS})
+        signature = {**sig, **{k: "constexpr" for k in constexprs}}
+        yield (name, tc.ASTSource(fn=rope_kernels._rope_kernel, signature=signature, constexprs=constexprs),
+               {"num_warps": rope_configs.NUM_WARPS})
 
 
 def newton_schulz_sources():

@@ -43,3 +43,19 @@ def record_graphs(monkeypatch, stage: str = "joint") -> list:
 
     monkeypatch.setattr(registry.StagePass, "__call__", recording)
     return graphs
+
+
+def eager_and_compiled(model, step, passes: list[str], codegen: bool = False):
+    """``step(model)`` run eagerly, then ``step`` of the model compiled with our ``passes`` (fresh
+    Dynamo caches, an empty pass report): the two results, to compare."""
+    from compile_stack.capture import PassBackend
+    from passes.registry import REPORT
+
+    eager = step(model)
+    torch._dynamo.reset()
+    REPORT.clear()
+    backend = PassBackend(passes=passes, codegen=codegen)
+    compiled_model = torch.compile(model, backend=backend)
+    with backend.active():
+        compiled = step(compiled_model)
+    return eager, compiled

@@ -17,7 +17,7 @@ from compile_stack.capture import PassBackend
 from compile_stack.config import PRESETS
 from compile_stack.reference import build_model, causal_attention, cross_entropy
 from passes.registry import REPORT, register_pass
-from tests.helpers import HAS_CUDA, rel_err
+from tests.helpers import HAS_CUDA, eager_and_compiled, rel_err
 
 S, HEADS, HEAD_DIM = 40, 2, 16
 GRAPHS: list[torch.fx.Graph] = []
@@ -180,15 +180,8 @@ def _run(model, x, *extra, codegen=False, grad=True):
         grads = torch.autograd.grad(loss, [p for p in m.parameters()])
         return loss.detach(), grads
 
-    eager = step(model)
-    torch._dynamo.reset()
-    REPORT.clear()
     GRAPHS.clear()
-    backend = PassBackend(passes=["attention", "attention_test_probe"], codegen=codegen)
-    compiled_model = torch.compile(model, backend=backend)
-    with backend.active():
-        compiled = step(compiled_model)
-    return eager, compiled
+    return eager_and_compiled(model, step, ["attention", "attention_test_probe"], codegen)
 
 
 def _ops(graphs):

@@ -165,4 +165,4 @@ class AdamW(torch.optim.Optimizer):
 
 def test_course_style_model_loss_and_optimizer_all_replaced_and_equal_to_eager():
     # The optimizer compiles twice: the first step sees no state (created there), the next ones do.
-    run_case(TransformerLM, cross_entropy, AdamW, expect={"attention": 2, "cross_entropy": 1, "adamw": 2})
+    run_case(TransformerLM, cross_entropy, AdamW, expect={"rope": 4, "attention": 2, "cross_entropy": 1, "adamw": 2})

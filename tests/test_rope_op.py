@@ -80,6 +80,16 @@ def test_triton_kernel_matches_float64(case, layout, dtype):
                    reference(x, cos, sin, *layout)) < 1e-6
 
 
+def test_triton_kernel_reads_strided_tables():
+    """A complex table's parts (every other element) and a table broadcast over heads."""
+    x = torch.randn(2, 11, 3, 16, device=DEVICE)
+    cis = torch.polar(torch.ones(11, 8), torch.randn(11, 8))
+    cos, sin = (torch.view_as_real(cis)[..., k].view(11, 1, 8).to(DEVICE) for k in (0, 1))
+    assert cos.stride(-1) == 2
+    out = triton_rope(x, cos, sin, True, True, False, torch.float32)
+    assert rel_err(out, reference(x, cos, sin, True, True)) < 1e-6
+
+
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_inverse_undoes_the_rotation(layout):
     x, cos, sin = make_case((2, 3, 37, 16), (37, 8), True)

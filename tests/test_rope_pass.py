@@ -12,9 +12,8 @@ import torch
 import torch.nn as nn
 
 import passes.rope  # noqa: F401  (registers the pass)
-from compile_stack.capture import PassBackend
 from passes.registry import REPORT, register_pass
-from tests.helpers import rel_err
+from tests.helpers import eager_and_compiled, rel_err
 
 SEQ, HEADS, HEAD_DIM = 12, 2, 16
 GRAPHS: list[torch.fx.Graph] = []
@@ -32,14 +31,18 @@ def half_angles(seq, dim, base=10000.0):
     return torch.outer(torch.arange(seq).float(), inv)
 
 
-class PairsThenHalves(nn.Module):
-    """Interleaved pairs in, first-of-pair then second-of-pair out; [S, D/2] buffers sliced."""
+class Tables(nn.Module):
+    """cos and sin of each position's angles as [seq, D/2] buffers (each spelling reads them its way)."""
 
-    def __init__(self, dim):
+    def __init__(self, dim, seq=64):
         super().__init__()
-        angles = half_angles(64, dim)
+        angles = half_angles(seq, dim)
         self.register_buffer("cos", angles.cos(), persistent=False)
         self.register_buffer("sin", angles.sin(), persistent=False)
+
+
+class PairsThenHalves(Tables):
+    """Interleaved pairs in, first-of-pair then second-of-pair out; the buffers sliced to the sequence."""
 
     def forward(self, x):
         cos, sin = self.cos[: x.shape[-2]], self.sin[: x.shape[-2]]
@@ -68,28 +71,19 @@ class RotateHalf(nn.Module):
         return (x * cos) + (rotate_half(x) * sin)
 
 
-class ChunkHalves(nn.Module):
-    """GPT-NeoX style written out: halves by chunk, half-width tables."""
+class ChunkHalves(Tables):
+    """GPT-NeoX style written out: halves by chunk, half-width tables as long as the sequence."""
 
     def __init__(self, dim):
-        super().__init__()
-        angles = half_angles(SEQ, dim)
-        self.register_buffer("c", angles.cos())
-        self.register_buffer("s", angles.sin())
+        super().__init__(dim, SEQ)
 
     def forward(self, x):
         a, b = x.chunk(2, dim=-1)
-        return torch.cat([a * self.c - b * self.s, b * self.c + a * self.s], dim=-1)
+        return torch.cat([a * self.cos - b * self.sin, b * self.cos + a * self.sin], dim=-1)
 
 
-class StackFlatten(nn.Module):
+class StackFlatten(Tables):
     """A course's RoPE: interleaved in and out (stack, flatten), tables gathered by positions."""
-
-    def __init__(self, dim):
-        super().__init__()
-        angles = half_angles(64, dim)
-        self.register_buffer("cos", angles.cos(), persistent=False)
-        self.register_buffer("sin", angles.sin(), persistent=False)
 
     def forward(self, x):
         positions = torch.arange(x.shape[-2])
@@ -98,19 +92,51 @@ class StackFlatten(nn.Module):
         return torch.stack([x1 * cos - x2 * sin, x1 * sin + x2 * cos], dim=-1).flatten(-2)
 
 
-class UnbindUpcast(nn.Module):
+class UnbindUpcast(Tables):
     """Pairs by unflatten + unbind, math in fp32, cast back at the end, the sin term first."""
 
     def __init__(self, dim):
-        super().__init__()
-        angles = half_angles(SEQ, dim)
-        self.register_buffer("cos", angles.cos())
-        self.register_buffer("sin", angles.sin())
+        super().__init__(dim, SEQ)
 
     def forward(self, x):
         even, odd = x.float().unflatten(-1, (-1, 2)).unbind(-1)
         out = torch.stack([-odd * self.sin + even * self.cos, odd * self.cos + even * self.sin], -1)
         return out.flatten(-2).type_as(x)
+
+
+def gpt_fast_rotary(x, freqs_cis):
+    """gpt-fast's: x [B, S, H, D] before the heads move, cos and sin in one [S, D/2, 2] table."""
+    xshaped = x.float().reshape(*x.shape[:-1], -1, 2)
+    freqs_cis = freqs_cis.view(1, xshaped.size(1), 1, xshaped.size(3), 2)
+    x_out2 = torch.stack([xshaped[..., 0] * freqs_cis[..., 0] - xshaped[..., 1] * freqs_cis[..., 1],
+                          xshaped[..., 1] * freqs_cis[..., 0] + xshaped[..., 0] * freqs_cis[..., 1]], -1)
+    return x_out2.flatten(3).type_as(x)
+
+
+def complex_rotary(x, freqs_cis):
+    """Meta's Llama and torchtitan: pairs as complex numbers times a complex table."""
+    x_ = torch.view_as_complex(x.float().reshape(*x.shape[:-1], -1, 2))
+    freqs_cis = freqs_cis.view(1, x_.shape[1], 1, x_.shape[-1])
+    return torch.view_as_real(x_ * freqs_cis).flatten(3).type_as(x)
+
+
+class SequenceMajorHeads(nn.Module):
+    """RoPE on [B, S, H, D], heads moved afterwards; ``cis``: a complex table, or its real view."""
+
+    def __init__(self, rotary, complex_table, dim=HEAD_DIM, heads=HEADS):
+        super().__init__()
+        self.heads, self.dim, self.rotary = heads, dim, rotary
+        self.q = nn.Linear(heads * dim, heads * dim, bias=False)
+        self.k = nn.Linear(heads * dim, heads * dim, bias=False)
+        angles = half_angles(SEQ, dim)
+        cis = torch.polar(torch.ones_like(angles), angles)
+        self.register_buffer("cis", cis if complex_table else torch.view_as_real(cis).clone())
+
+    def forward(self, x):
+        b, s, _ = x.shape
+        q = self.rotary(self.q(x).view(b, s, self.heads, self.dim), self.cis).transpose(1, 2)
+        k = self.rotary(self.k(x).view(b, s, self.heads, self.dim), self.cis).transpose(1, 2)
+        return q @ k.transpose(-2, -1) / math.sqrt(self.dim)
 
 
 class Heads(nn.Module):
@@ -129,23 +155,17 @@ class Heads(nn.Module):
         return q @ k.transpose(-2, -1) / math.sqrt(self.dim)
 
 
-def _run(model, dtype=torch.float32):
-    model = model.to(dtype)
+def _run(model, dtype=torch.float32, codegen=False):
+    if dtype != torch.float32:
+        model = model.to(dtype)
     x = torch.randn(2, SEQ, model.heads * model.dim, dtype=dtype)
 
     def step(m):
         loss = m(x).float().square().mean()
         return loss.detach(), torch.autograd.grad(loss, list(m.parameters()))
 
-    eager = step(model)
-    torch._dynamo.reset()
-    REPORT.clear()
     GRAPHS.clear()
-    backend = PassBackend(passes=["rope", "rope_test_probe"], codegen=False)
-    compiled_model = torch.compile(model, backend=backend)
-    with backend.active():
-        compiled = step(compiled_model)
-    return eager, compiled
+    return eager_and_compiled(model, step, ["rope", "rope_test_probe"], codegen)
 
 
 def _rope_calls(graphs):
@@ -170,6 +190,25 @@ def test_spellings_become_the_op(rotary, layout):
     assert REPORT.replacements["rope"] == 2, REPORT.notes
     calls = _rope_calls(GRAPHS)
     assert len(calls) == 2 and all(tuple(c.args[3:6]) == (*layout, False) for c in calls)
+    _close(eager, compiled, 1e-5)
+
+
+@pytest.mark.parametrize("rotary, complex_table", [(gpt_fast_rotary, False), (complex_rotary, True)])
+def test_sequence_major_spellings_become_the_op(rotary, complex_table):
+    eager, compiled = _run(SequenceMajorHeads(rotary, complex_table))
+    assert REPORT.replacements["rope"] == 2, REPORT.notes
+    calls = _rope_calls(GRAPHS)
+    assert len(calls) == 2 and all(tuple(c.args[3:6]) == (True, True, False) for c in calls)
+    _close(eager, compiled, 1e-5)
+
+
+@pytest.mark.parametrize("model", [lambda: Heads(PairsThenHalves(HEAD_DIM)),
+                                   lambda: SequenceMajorHeads(complex_rotary, True)])
+def test_inductor_code_runs_the_op(model):
+    """Through Inductor's code generation: the op reads the heads in place, the tables as given
+    (a complex table's parts as strided views)."""
+    eager, compiled = _run(model(), codegen=True)
+    assert REPORT.replacements["rope"] == 2
     _close(eager, compiled, 1e-5)
 
 
@@ -218,6 +257,22 @@ def test_other_math_is_left_alone(rotary, note):
     if note:
         assert any(note in n for n in REPORT.notes), REPORT.notes
     _close(eager, compiled, 1e-5)
+
+
+class RandomTables(PairsThenHalves):
+    """Two draws each of two random expressions where a rotation has its two tables: written the
+    same, but four different tables."""
+
+    def forward(self, x):
+        x1, x2 = x[..., ::2], x[..., 1::2]
+        ra, rc = (torch.rand(x.shape[-2], x.shape[-1] // 2) for _ in range(2))
+        rb, rd = (torch.rand(1, x.shape[-2], x.shape[-1] // 2) for _ in range(2))
+        return torch.cat((x1 * ra - x2 * rb, x2 * rc + x1 * rd), dim=-1)
+
+
+def test_random_tables_are_not_taken_for_one():
+    _run(Heads(RandomTables(HEAD_DIM)))
+    assert REPORT.replacements["rope"] == 0 and not _rope_calls(GRAPHS)
 
 
 def test_head_dim_without_a_kernel_is_left_alone_with_a_note():

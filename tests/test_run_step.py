@@ -32,10 +32,12 @@ def test_compiled_step_checks_inspects_profiles_and_reports(tmp_path, cache, cap
     assert summary["check"]["ok"] is True
     for key in ("loss_rel_err", "grad_rel_err", "param_rel_err"):
         assert 0 <= summary["check"][key] <= summary["check"]["tolerances"][key]
-    # Every layer's attention (one block graph all layers call), one loss, one fused update;
-    # the optimizer compiles once. The reference AdamW has no QR or Newton–Schulz.
-    assert summary["passes"] == {"param_data": summary["passes"]["param_data"], "attention": summary["config"]["layers"],
-                                 "cross_entropy": 1, "adamw": 1, "linalg_qr": 0, "newton_schulz": 0}
+    # Every layer's attention and its q and k rotations (one block graph all layers call), one loss,
+    # one fused update; the optimizer compiles once. The reference AdamW has no QR or Newton–Schulz.
+    layers = summary["config"]["layers"]
+    assert summary["passes"] == {"param_data": summary["passes"]["param_data"], "rope": 2 * layers,
+                                 "attention": layers, "cross_entropy": 1, "adamw": 1, "linalg_qr": 0,
+                                 "newton_schulz": 0}
     assert summary["passes"]["param_data"] > 0
     index = (inspect_dir / "index.md").read_text()
     for kind in ("model.captured0.dynamo.py", "model0.joint.after.txt", "block0.dynamo.py", "block0.joint.before.txt",

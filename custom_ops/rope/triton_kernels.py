@@ -105,9 +105,9 @@ def triton_rope(x, cos, sin, interleaved_in: bool, interleaved_out: bool, invers
     if x.stride(-1) != 1:
         x = x.contiguous()
     tables = []
-    for t in (cos, sin):
-        t = t.broadcast_to(*x.shape[:-1], t.shape[-1])
-        tables.append(t if t.stride(-1) == 1 else t.contiguous())
+    for t in (cos, sin):  # made dense before the broadcast, which stays a view
+        t = t if t.stride(-1) == 1 else t.contiguous()
+        tables.append(t.broadcast_to(*x.shape[:-1], t.shape[-1]))
     out = torch.empty(x.shape, dtype=dtype, device=x.device)
     (_, n1, n2), src_strides = _leading3(x)
     rows = x.numel() // width

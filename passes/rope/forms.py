@@ -1,6 +1,6 @@
 """A tensor's value as a sum of products, element by element along its trailing dims.
 
-``form_of(node)`` describes ``node`` as
+``Forms.of(node)`` describes ``node`` as
 
     value[..., t] = Σ_k sign_k[t] · leaf_k[..., index_k[t]] · table_k[..., table_index_k[t]]
 
@@ -8,8 +8,10 @@ where ``...`` are leading dims every leaf shares with the value, ``t`` runs over
 dims, and each term has at most one table factor. Rotations are built this way whatever the
 spelling: pairs taken by strided or half slices, ``chunk``/``split``, or ``unflatten`` then
 ``unbind``/indexing, combined by mul/sub/add/neg, put together by ``cat``, or by ``stack`` then
-``flatten``, through widening casts. Any other node is a leaf: its own value, indexed by its last dim. The terms are integer
-arrays, so a form is checked against a rotation's arithmetic directly (``passes/rope``).
+``flatten``, or as complex numbers (``view_as_complex`` times a complex table, ``view_as_real``),
+through widening casts. Any other node is a leaf: its own value, indexed by its last dim. The
+terms are integer arrays, so a form is checked against a rotation's arithmetic directly
+(``passes/rope``).
 """
 import dataclasses
 import operator
@@ -22,6 +24,9 @@ aten, prims = torch.ops.aten, torch.ops.prims
 # Fields of a term array, along its dim 1.
 LEAF, INDEX, TABLE, TABLE_INDEX, SIGN = range(5)
 NO_TABLE = -1
+# A rotation has two terms per element, and no part of one has more: a form with more is a leaf
+# (which also keeps a long chain of residual adds from growing one).
+MAX_TERMS = 2
 WIDENING = {(torch.float16, torch.float32), (torch.bfloat16, torch.float32)}
 VIEW_OPS = {aten.view.default, aten._unsafe_view.default, aten.reshape.default}
 COPY_OPS = {aten.clone.default, aten.alias.default}
@@ -38,35 +43,52 @@ class Form:
     def trailing(self) -> tuple:
         return tuple(self.terms.shape[2:])
 
-    def is_bare_leaf(self) -> bool:
-        return self.terms.shape[0] == 1 and len(self.trailing) == 1 and bool(
-            (self.terms[0, INDEX] == torch.arange(self.trailing[0])).all()
-            and (self.terms[0, TABLE] == NO_TABLE).all() and (self.terms[0, SIGN] == 1).all())
-
 
 class Forms:
-    """Forms of a graph's nodes, memoised; ``nodes`` numbers the leaves and tables they name."""
+    """Forms of a graph's nodes, memoised; ``nodes`` numbers the leaves and tables they name: a node,
+    or (node, 0 or 1) for the real or imaginary part of a complex table."""
 
-    def __init__(self):
-        self.nodes: list[torch.fx.Node] = []
-        self._ids: dict[torch.fx.Node, int] = {}
+    def __init__(self, order: dict[torch.fx.Node, int]):
+        self.order = order  # each node's position in its graph
+        self.nodes: list[torch.fx.Node | tuple[torch.fx.Node, int]] = []
+        self._ids: dict = {}
         self._memo: dict[torch.fx.Node, Form | None] = {}
 
-    def node_id(self, node: torch.fx.Node) -> int:
-        if node not in self._ids:
-            self._ids[node] = len(self.nodes)
-            self.nodes.append(node)
-        return self._ids[node]
+    def node_id(self, node) -> int:
+        return self._id(node, node)
+
+    def table_id(self, node: torch.fx.Node, part: int | None = None) -> int:
+        """A table's number: the same for nodes that compute the same thing (``freqs_cis[..., 0]``
+        written twice), so one table read twice counts once; it names the earliest of them, which
+        any reader of the others comes after."""
+        return self._id((_structure(node), part), node if part is None else (node, part))
+
+    def _id(self, key, entry) -> int:
+        if key not in self._ids:
+            self._ids[key] = len(self.nodes)
+            self.nodes.append(entry)
+        i = self._ids[key]
+        if self._position(entry) < self._position(self.nodes[i]):
+            self.nodes[i] = entry
+        return i
+
+    def _position(self, entry) -> int:
+        return self.order[entry[0] if isinstance(entry, tuple) else entry]
 
     def of(self, node) -> Form | None:
-        """``node``'s form; None for anything but a float tensor of rank >= 1."""
+        """``node``'s form; None for anything but a float or complex tensor of rank >= 1, and for a
+        complex one no rule describes."""
         if node not in self._memo:
             val = fake_value(node) if isinstance(node, torch.fx.Node) else None
-            if not isinstance(val, torch.Tensor) or val.dim() == 0 or not val.dtype.is_floating_point:
+            if not isinstance(val, torch.Tensor) or val.dim() == 0 or not (val.dtype.is_floating_point
+                                                                           or val.dtype.is_complex):
                 self._memo[node] = None
             else:
                 rule = _RULES.get(node.target) if node.op == "call_function" else None
-                self._memo[node] = (rule(self, node, val) if rule else None) or self._leaf(node, val)
+                form = rule(self, node, val) if rule else None
+                form = form if form is not None and form.terms.shape[0] <= MAX_TERMS else None
+                # A complex leaf has no form: its elements are pairs no node holds apart.
+                self._memo[node] = form or (None if val.dtype.is_complex else self._leaf(node, val))
         return self._memo[node]
 
     def _leaf(self, node, val) -> Form:
@@ -77,6 +99,21 @@ class Forms:
         terms[0, TABLE] = NO_TABLE
         terms[0, SIGN] = 1
         return Form(tuple(val.shape[:-1]), terms)
+
+
+def _structure(value, depth: int = 8):
+    """What a value computes, as a hashable tree of targets and arguments; a node that is not a
+    call, a random or impure one, or one ``depth`` calls down stands for itself."""
+    if isinstance(value, torch.fx.Node):
+        seeded = isinstance(value.target, torch._ops.OpOverload) and \
+            torch.Tag.nondeterministic_seeded in value.target.tags
+        if value.op != "call_function" or depth == 0 or seeded or value.is_impure():
+            return value
+        kwargs = tuple(sorted(value.kwargs.items()))
+        return value.target, _structure(value.args, depth - 1), _structure(kwargs, depth - 1)
+    if isinstance(value, (list, tuple)):
+        return tuple(_structure(v, depth) for v in value)
+    return repr(value)
 
 
 def _trailing_axis(form: Form, dim: int, rank: int) -> int | None:
@@ -157,31 +194,67 @@ def _add(forms, node, val, subtract=False):
     return Form(a.lead, torch.cat([a.terms, (_negated(b) if subtract else b).terms]))
 
 
+def _times(form: Form, table: int) -> Form:
+    """``form`` (table-free terms) times table ``table``, read along the last trailing dim."""
+    terms = form.terms.clone()
+    terms[:, TABLE] = table
+    terms[:, TABLE_INDEX] = torch.arange(form.trailing[-1]).expand(form.trailing)
+    return Form(form.lead, terms)
+
+
+def _broadcasts_over(table: torch.Tensor, form: Form, width: int) -> bool:
+    """Whether ``table`` is ``width`` wide and constant over ``form``'s trailing dims before the last
+    (heads split off a projection but not yet moved into the lead)."""
+    extra = form.trailing[:-1]
+    return table.shape[-1] == width and all(table.shape[-2 - i] == 1 for i in range(min(len(extra), table.dim() - 1)))
+
+
 def _mul(forms, node, val):
-    """A form without tables times a table: a leaf broadcast over the form's leading dims, as wide
-    as the form's one trailing dim. Of two leaves, the one with fewer elements is the table."""
+    """A form without tables times a table: preferably the operand with fewer elements (it
+    broadcasts over the form's leading dims), else the second; any node will do, as the product is
+    read either way round when checked. A complex product (``view_as_complex`` pairs times a complex
+    table) multiplies out into real and imaginary parts, the table's two parts as two tables."""
     if len(node.args) != 2 or not all(isinstance(a, torch.fx.Node) for a in node.args):
         return None
     a, b = node.args
-    fa, fb = forms.of(a), forms.of(b)
-    if fa is None or fb is None:
-        return None
-    if fa.is_bare_leaf() and (not fb.is_bare_leaf() or fake_value(a).numel() < fake_value(b).numel()):
-        (a, fa), (b, fb) = (b, fb), (a, fa)
-    table = fake_value(b)
-    if not fb.is_bare_leaf() or len(fa.trailing) != 1 or (fa.terms[:, TABLE] != NO_TABLE).any() \
-            or fa.lead + fa.trailing != tuple(val.shape) or table.dim() > val.dim() or table.shape[-1] != fa.trailing[0]:
-        return None
-    terms = fa.terms.clone()
-    terms[:, TABLE] = forms.node_id(b)
-    terms[:, TABLE_INDEX] = torch.arange(fa.trailing[0])
-    return Form(fa.lead, terms)
+    if fake_value(a).numel() < fake_value(b).numel():
+        a, b = b, a
+    for x, table in ((a, b), (b, a)):
+        form, t = forms.of(x), fake_value(table)
+        if form is None or (form.terms[:, TABLE] != NO_TABLE).any() or not isinstance(t, torch.Tensor) \
+                or t.dim() > val.dim():
+            continue
+        shape, width = tuple(val.shape), val.shape[-1]
+        if val.dtype.is_complex:  # the form's trailing pairs are its complex elements
+            pairs = Form(form.lead, form.terms[..., 0])
+            if t.dtype.is_complex and form.trailing[-1:] == (2,) and pairs.lead + pairs.trailing == shape \
+                    and _broadcasts_over(t, pairs, width):
+                return _complex_product(forms, form, table)
+        elif form.trailing and form.lead + form.trailing == shape and _broadcasts_over(t, form, width):
+            return _times(form, forms.table_id(table))
+    return None
+
+
+def _complex_product(forms, form: Form, table: torch.fx.Node) -> Form:
+    """(r + i·j)(C + S·j) = (r·C − i·S) + (r·S + i·C)·j, with ``form``'s trailing pairs (r, i)."""
+    cos, sin = forms.table_id(table, 0), forms.table_id(table, 1)
+    r, i = (Form(form.lead, form.terms[..., k]) for k in (0, 1))
+    real = torch.cat([_times(r, cos).terms, _negated(_times(i, sin)).terms])
+    imag = torch.cat([_times(r, sin).terms, _times(i, cos).terms])
+    return Form(form.lead, torch.stack([real, imag], dim=-1))
+
+
+def _as_complex(forms, node, val):
+    """Pairs along the last dim seen as complex numbers: the form keeps them as a trailing dim of 2
+    (a complex node's form is that of its ``view_as_real``)."""
+    form = forms.of(node.args[0])
+    return form if form is not None and len(form.trailing) >= 2 and form.trailing[-1] == 2 else None
 
 
 _RULES = {
     aten.slice.Tensor: _slice, aten.cat.default: _cat, aten.unsqueeze.default: _unsqueeze,
     aten.neg.default: _neg, aten.add.Tensor: _add, aten.sub.Tensor: lambda f, n, v: _add(f, n, v, subtract=True),
-    aten.mul.Tensor: _mul,
+    aten.mul.Tensor: _mul, aten.view_as_complex.default: _as_complex, aten.view_as_real.default: _same,
     **{op: _view for op in VIEW_OPS}, **{op: _same for op in COPY_OPS}, **{op: _convert for op in CONVERT_OPS},
 }
 
