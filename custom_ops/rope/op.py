@@ -8,6 +8,7 @@ from custom_ops.rope.triton_kernels import kernel_applies, triton_rope
 
 
 def result_dtype(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, dtype: torch.dtype | None) -> torch.dtype:
+    """``dtype``, or by default the inputs' promoted dtype."""
     return dtype if dtype is not None else torch.promote_types(torch.promote_types(x.dtype, cos.dtype), sin.dtype)
 
 
@@ -22,12 +23,7 @@ def check_rope_args(x, cos, sin, dtype) -> None:
         require(table.shape[-1] in (width // 2, width) and width > 0, name,
                 f"a last dim of {width // 2} (one angle per pair) or {width} (one per output)",
                 f"shape {tuple(table.shape)}")
-        try:
-            torch.broadcast_shapes(table.shape, (*x.shape[:-1], table.shape[-1]))
-            ok = table.dim() <= x.dim() and all(
-                table.shape[d] in (1, x.shape[d]) for d in range(-table.dim(), -1))
-        except RuntimeError:
-            ok = False
+        ok = table.dim() <= x.dim() and all(table.shape[d] in (1, x.shape[d]) for d in range(-table.dim(), -1))
         require(ok, name, f"a shape that broadcasts over x's leading dims {tuple(x.shape[:-1])}",
                 f"shape {tuple(table.shape)}")
     require(cos.shape[-1] == sin.shape[-1], "sin", f"the last dim of cos ({cos.shape[-1]})", sin.shape[-1])

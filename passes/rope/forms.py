@@ -205,8 +205,8 @@ def _times(form: Form, table: int) -> Form:
 def _broadcasts_over(table: torch.Tensor, form: Form, width: int) -> bool:
     """Whether ``table`` is ``width`` wide and constant over ``form``'s trailing dims before the last
     (heads split off a projection but not yet moved into the lead)."""
-    extra = form.trailing[:-1]
-    return table.shape[-1] == width and all(table.shape[-2 - i] == 1 for i in range(min(len(extra), table.dim() - 1)))
+    extra = min(len(form.trailing) - 1, table.dim() - 1)
+    return table.shape[-1] == width and all(table.shape[-2 - i] == 1 for i in range(extra))
 
 
 def _mul(forms, node, val):
@@ -249,14 +249,6 @@ def _as_complex(forms, node, val):
     (a complex node's form is that of its ``view_as_real``)."""
     form = forms.of(node.args[0])
     return form if form is not None and len(form.trailing) >= 2 and form.trailing[-1] == 2 else None
-
-
-_RULES = {
-    aten.slice.Tensor: _slice, aten.cat.default: _cat, aten.unsqueeze.default: _unsqueeze,
-    aten.neg.default: _neg, aten.add.Tensor: _add, aten.sub.Tensor: lambda f, n, v: _add(f, n, v, subtract=True),
-    aten.mul.Tensor: _mul, aten.view_as_complex.default: _as_complex, aten.view_as_real.default: _same,
-    **{op: _view for op in VIEW_OPS}, **{op: _same for op in COPY_OPS}, **{op: _convert for op in CONVERT_OPS},
-}
 
 
 def _stack(forms, node, val):
@@ -308,4 +300,10 @@ def _piece(forms, node, val):
 
 
 _PIECES = {aten.split.Tensor, aten.split_with_sizes.default, aten.unbind.int}
-_RULES.update({aten.stack.default: _stack, aten.select.int: _select, operator.getitem: _piece})
+_RULES = {
+    aten.slice.Tensor: _slice, aten.select.int: _select, operator.getitem: _piece,
+    aten.cat.default: _cat, aten.stack.default: _stack, aten.unsqueeze.default: _unsqueeze,
+    aten.neg.default: _neg, aten.add.Tensor: _add, aten.sub.Tensor: lambda f, n, v: _add(f, n, v, subtract=True),
+    aten.mul.Tensor: _mul, aten.view_as_complex.default: _as_complex, aten.view_as_real.default: _same,
+    **{op: _view for op in VIEW_OPS}, **{op: _same for op in COPY_OPS}, **{op: _convert for op in CONVERT_OPS},
+}
