@@ -21,6 +21,7 @@ import torch.fx as fx
 
 import custom_ops.activation_offload  # noqa: F401 (registers the ops)
 from compile_stack.memory import size_hint, tensor_bytes
+from passes.graph_edit import inverse_permutation, memory_order
 
 # Smaller values are left on the GPU: a copy's fixed costs would outweigh what they free.
 MIN_BYTES = 16 * 2**20
@@ -38,14 +39,9 @@ def saved_names(backward: fx.GraphModule) -> set[str]:
     return {n.name for n in saved_inputs(backward)}
 
 
-def _memory_order(val: torch.Tensor) -> list[int]:
-    """The permute of a dense tensor's dims that makes it contiguous (largest stride first)."""
-    return sorted(range(val.dim()), key=lambda d: (-val.stride(d), d))
-
-
 def _is_dense(val: torch.Tensor) -> bool:
     """Whether ``val`` fills its memory without overlaps or gaps, in some order of its dims."""
-    return val.permute(_memory_order(val)).is_contiguous()
+    return val.permute(memory_order(val)).is_contiguous()
 
 
 def _is_view(node: fx.Node) -> bool:
@@ -162,7 +158,7 @@ def apply(forward: fx.GraphModule, backward: fx.GraphModule, nodes: list[fx.Node
     for node in nodes:
         after = _order_after(node)
         val = node.meta["val"]
-        order = _memory_order(val)
+        order = memory_order(val)
         source, memory = node, val.permute(order)  # memory: val seen contiguous (val itself if it is)
         anchor = max(after, key=position.__getitem__, default=node)
         if order != sorted(order):
@@ -192,7 +188,7 @@ def apply(forward: fx.GraphModule, backward: fx.GraphModule, nodes: list[fx.Node
             gpu.meta["val"] = memory
             back = gpu
             if order != sorted(order):
-                back = graph.call_function(torch.ops.aten.permute.default, (gpu, [order.index(d) for d in range(val.dim())]))
+                back = graph.call_function(torch.ops.aten.permute.default, (gpu, inverse_permutation(order)))
                 back.meta["val"] = val
         placeholder.replace_all_uses_with(back, delete_user_cb=lambda user: user is not gpu)
     backward.recompile()

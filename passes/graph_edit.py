@@ -1,7 +1,8 @@
-"""FX graph editing the passes share: reading a node's fake value, inserting a
-call with the fake value later stages read, marking what the partitioner must
-save, finding what a set of nodes reaches, erasing what a rewrite left dead,
-and copying a graph module to edit or partition while the original stays."""
+"""FX graph editing the passes share: the cast and reshape ops they look through,
+reading a node's fake value, a tensor's memory order, inserting a call with the
+fake value later stages read, marking what the partitioner must save, finding
+what a set of nodes reaches, erasing what a rewrite left dead, and copying a
+graph module to edit or partition while the original stays."""
 from collections.abc import Callable, Iterable
 
 import torch
@@ -9,12 +10,28 @@ from torch._guards import detect_fake_mode
 from torch.fx.node import map_arg
 from torch.utils.checkpoint import CheckpointPolicy
 
+aten, prims = torch.ops.aten, torch.ops.prims
+# A cast to another dtype, as Inductor's decompositions leave it.
+CAST_OPS = {prims.convert_element_type.default, aten._to_copy.default}
+# A new shape for the same elements in the same row-major order.
+RESHAPE_OPS = {aten.view.default, aten._unsafe_view.default, aten.reshape.default}
+
 
 def fake_value(node, index: int | None = None):
     """The value tracing recorded for ``node`` (a fake tensor, a SymInt, a tuple of them...),
     element ``index`` of a tuple-valued node; None for constants and untraced nodes."""
     val = node.meta.get("val") if isinstance(node, torch.fx.Node) else None
     return val[index] if index is not None and isinstance(val, (list, tuple)) else val
+
+
+def memory_order(val: torch.Tensor) -> list[int]:
+    """``val``'s dims by stride, largest first: the permute that makes a dense tensor contiguous."""
+    return sorted(range(val.dim()), key=lambda d: (-val.stride(d), d))
+
+
+def inverse_permutation(order: list[int]) -> list[int]:
+    """The permute that undoes permuting by ``order``."""
+    return [order.index(d) for d in range(len(order))]
 
 
 def insert_call(graph: torch.fx.Graph, target, args, kwargs=None, fake_mode=None) -> torch.fx.Node:

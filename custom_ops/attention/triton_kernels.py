@@ -251,7 +251,8 @@ def triton_fwd(q, k, v, is_causal: bool, scale: float, config: AttnConfig | None
     out = empty_like_v((Z, H, SQ, D), q.dtype, v4)
     lse = torch.empty((Z, H, SQ), dtype=torch.float32, device=q.device)
     _attn_fwd_kernel[(Z * H, triton.cdiv(SQ, t.block_m))](
-        _desc(q4, t.block_m), _desc(k4, t.block_n), _desc(v4, t.block_n), _desc(out, t.block_m), lse, scale * LOG2E, H, SQ, SK,
+        _desc(q4, t.block_m), _desc(k4, t.block_n), _desc(v4, t.block_n), _desc(out, t.block_m), lse,
+        scale * LOG2E, H, SQ, SK,
         IS_CAUSAL=is_causal, HEAD_D=D, BLOCK_M=t.block_m, BLOCK_N=t.block_n, PREC=_precision(q.dtype),
         num_warps=t.num_warps, num_stages=t.num_stages,
     )

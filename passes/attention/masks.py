@@ -11,8 +11,8 @@ import operator
 import torch
 from torch._subclasses.fake_tensor import unset_fake_temporarily
 
-from passes.attention.common import CONVERT_OPS, _shape, aten, prims
-from passes.graph_edit import reachable
+from passes.attention.common import _shape, aten, prims
+from passes.graph_edit import CAST_OPS, reachable
 from passes.rejection import NoMatch
 
 # A masked score at or below this is as good as −inf: exp underflows to exactly 0 even after scaling.
@@ -197,7 +197,7 @@ def _mask_value_of(node, memo):
             and all(isinstance(u, int | float) and not isinstance(u, bool) for u in (x.a, x.b)) else None
     if t in _ARITH:
         return _pointwise(arg(0), arg(1), _ARITH[t])
-    if t in CONVERT_OPS:
+    if t in CAST_OPS:
         value, dtype = arg(0), (args[1] if t in (prims.convert_element_type.default,) else kw.get("dtype"))
         if isinstance(value, Piecewise):
             return Piecewise(value.pred, _cast(value.a, dtype), _cast(value.b, dtype))

@@ -7,10 +7,8 @@ import torch
 import custom_ops.attention  # noqa: F401  (registers torch.ops.cstack.flash_attention_*)
 from custom_ops.attention.layouts import is_sequence_major
 from passes.attention.common import _shape, aten, prims
-from passes.graph_edit import erase_dead, fake_value, insert_call, save_for_backward
-
-_VIEWS = {aten.view.default, aten._unsafe_view.default, aten.reshape.default}
-
+from passes.graph_edit import (
+    RESHAPE_OPS, erase_dead, fake_value, insert_call, inverse_permutation, memory_order, save_for_backward)
 
 def _is_dense_copy(node) -> bool:
     return node.target is aten.clone.default and node.kwargs.get("memory_format", torch.contiguous_format) in (
@@ -23,8 +21,8 @@ def _merge_as_view(graph, user, new) -> list:
     projection) and, on ``new`` (our op's output in v's layout), the permute alone is already
     dense: the copies' users take that permute instead. Returns the copies bypassed (none if the
     pattern or the layouts do not fit)."""
-    shape = list(_shape(user)) if user.target in _VIEWS else list(_shape(new))
-    permutes = list(user.users) if user.target in _VIEWS else [user]
+    shape = list(_shape(user)) if user.target in RESHAPE_OPS else list(_shape(new))
+    permutes = list(user.users) if user.target in RESHAPE_OPS else [user]
     if not permutes or not all(p.target is aten.permute.default and p.users and all(map(_is_dense_copy, p.users))
                                for p in permutes):
         return []
@@ -61,10 +59,10 @@ def _replace(graph, old, new) -> list:
                 new = insert_call(graph, aten.view.default, (new, list(want.shape)))
             have = new.meta["val"]
             if any(want.stride(d) != have.stride(d) for d in significant):
-                order = sorted(range(want.dim()), key=lambda d: (-want.stride(d), d))
+                order = memory_order(want)
                 moved = insert_call(graph, aten.permute.default, (new, order))
                 dense = insert_call(graph, aten.clone.default, (moved,), {"memory_format": torch.contiguous_format})
-                new = insert_call(graph, aten.permute.default, (dense, [order.index(d) for d in range(want.dim())]))
+                new = insert_call(graph, aten.permute.default, (dense, inverse_permutation(order)))
     old.replace_all_uses_with(new)
     return bypassed
 
@@ -88,7 +86,7 @@ def _split_heads_source(node):
     [B·H, S, D] bmm operand, is a dense copy of (matmul's reshape: an expand to the same shape, a
     copy, a view), or None. The op then reads that tensor in place instead of the copy."""
     want = _shape(node)
-    while node.target in _VIEWS or _is_dense_copy(node) or (
+    while node.target in RESHAPE_OPS or _is_dense_copy(node) or (
             node.target is aten.expand.default and _shape(node) == _shape(node.args[0])):
         node = node.args[0]
         val = fake_value(node)

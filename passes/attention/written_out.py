@@ -7,9 +7,9 @@ import torch
 from torch._subclasses.fake_tensor import unset_fake_temporarily
 
 from custom_ops.attention import HEAD_DIMS
-from passes.attention.common import CONVERT_OPS, _shape, aten
+from passes.attention.common import _shape, aten
 from passes.attention.masks import Piecewise, _causal_bias, _is_causal_keep, _is_fill, _mask_value
-from passes.graph_edit import fake_value, reachable
+from passes.graph_edit import CAST_OPS, fake_value, reachable
 from passes.rejection import NoMatch
 
 # Ops that only reshape or alias a tensor; `_chain_keeps_order` says when a run of them keeps the element order.
@@ -133,7 +133,7 @@ def _walk_scores(x, rows: int, cols: int):
             return node, node.args[0], node.args[1], scale, causal, learned
         if not _is_scores(node, rows, cols):
             raise NoMatch(f"{node} has shape {_shape(node)}, expected [..., {rows}, {cols}]")
-        if t in CONVERT_OPS:
+        if t in CAST_OPS:
             node = node.args[0]
         elif t in SCALE_OPS:
             scores = [a for a in node.args if _is_scores(a, rows, cols)]
@@ -180,7 +180,7 @@ def _find_pv(p, tangent_deps):
                 found.append(u)
             elif u.target is aten.bmm.default and u not in tangent_deps:
                 others.append(u)
-            elif u.target in CONVERT_OPS:
+            elif u.target in CAST_OPS:
                 if chain and not _chain_keeps_order(chain):
                     others.append(u)
                 else:

@@ -11,7 +11,7 @@ from collections import defaultdict
 import torch
 from torch.fx import Node
 
-from passes.graph_edit import fake_value
+from passes.graph_edit import CAST_OPS, fake_value
 
 aten = torch.ops.aten
 
@@ -19,7 +19,6 @@ aten = torch.ops.aten
 _COPIES = {aten.alias.default, aten.clone.default, aten.detach.default, aten.lift_fresh_copy.default}
 _RESHAPES = {aten.view.default, aten._unsafe_view.default, aten.reshape.default, aten.expand.default,
              aten._reshape_alias.default}
-_CASTS = {torch.ops.prims.convert_element_type.default, aten._to_copy.default}
 _MULS = {aten.mul.Tensor, aten.mul.Scalar}
 _DIVS = {aten.div.Tensor, aten.div.Scalar}
 ADDS = {aten.add.Tensor: 1.0, aten.sub.Tensor: -1.0}
@@ -83,7 +82,7 @@ def _peel(node: Node) -> tuple[Node, float, bool] | None:
     if out is None or val is None:
         return None
     if target in _COPIES or (target in _RESHAPES and out.shape == val.shape) \
-            or (target in _CASTS and out.dtype == val.dtype):
+            or (target in CAST_OPS and out.dtype == val.dtype):
         return source, 1.0, False
     if target is aten.neg.default:
         return source, -1.0, False

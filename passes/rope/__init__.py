@@ -34,16 +34,16 @@ from torch._subclasses.fake_tensor import unset_fake_temporarily
 import custom_ops.rope  # noqa: F401 (registers the op)
 from custom_ops.checks import FLOAT_DTYPES
 from custom_ops.rope import check_rope_args, kernel_takes
-from passes.graph_edit import erase_dead, fake_value, insert_call, reachable
+from passes.graph_edit import CAST_OPS, RESHAPE_OPS, erase_dead, fake_value, insert_call, reachable
 from passes.registry import note, register_pass
 from passes.rejection import NoMatch
 from passes.rope.forms import (
-    CONVERT_OPS, COPY_OPS, INDEX, LEAF, NO_TABLE, SIGN, TABLE, TABLE_INDEX, VIEW_OPS, Form, Forms)
+    COPY_OPS, INDEX, LEAF, NO_TABLE, SIGN, TABLE, TABLE_INDEX, Form, Forms)
 
 aten = torch.ops.aten
 NAME = "rope"
 # Ops a rotation can end in.
-FINAL_OPS = {aten.cat.default, aten.add.Tensor, aten.sub.Tensor, *VIEW_OPS, *COPY_OPS, *CONVERT_OPS}
+FINAL_OPS = {aten.cat.default, aten.add.Tensor, aten.sub.Tensor, *RESHAPE_OPS, *COPY_OPS, *CAST_OPS}
 
 
 def _expected_terms(width: int, interleaved_in: bool, interleaved_out: bool, full_table: bool,
@@ -86,7 +86,7 @@ def _rotation(forms: Forms, node: torch.fx.Node):
     """(x, x's shape for the op, cos, sin, interleaved_in, interleaved_out) if ``node`` is a rotation;
     None if it is not one; NoMatch if it is one the op cannot take. A final cast is the op's
     result dtype."""
-    form = forms.of(node.args[0] if node.target in CONVERT_OPS else node)
+    form = forms.of(node.args[0] if node.target in CAST_OPS else node)
     if form is None or not form.trailing or form.terms.shape[0] != 2:
         return None
     leaves, tables = form.terms[:, LEAF].unique().tolist(), form.terms[:, TABLE].unique().tolist()

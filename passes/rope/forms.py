@@ -18,9 +18,9 @@ import operator
 
 import torch
 
-from passes.graph_edit import fake_value
+from passes.graph_edit import CAST_OPS, RESHAPE_OPS, fake_value
 
-aten, prims = torch.ops.aten, torch.ops.prims
+aten = torch.ops.aten
 # Fields of a term array, along its dim 1.
 LEAF, INDEX, TABLE, TABLE_INDEX, SIGN = range(5)
 NO_TABLE = -1
@@ -28,9 +28,7 @@ NO_TABLE = -1
 # (which also keeps a long chain of residual adds from growing one).
 MAX_TERMS = 2
 WIDENING = {(torch.float16, torch.float32), (torch.bfloat16, torch.float32)}
-VIEW_OPS = {aten.view.default, aten._unsafe_view.default, aten.reshape.default}
 COPY_OPS = {aten.clone.default, aten.alias.default}
-CONVERT_OPS = {prims.convert_element_type.default, aten._to_copy.default}
 
 
 @dataclasses.dataclass
@@ -305,5 +303,5 @@ _RULES = {
     aten.cat.default: _cat, aten.stack.default: _stack, aten.unsqueeze.default: _unsqueeze,
     aten.neg.default: _neg, aten.add.Tensor: _add, aten.sub.Tensor: lambda f, n, v: _add(f, n, v, subtract=True),
     aten.mul.Tensor: _mul, aten.view_as_complex.default: _as_complex, aten.view_as_real.default: _same,
-    **{op: _view for op in VIEW_OPS}, **{op: _same for op in COPY_OPS}, **{op: _convert for op in CONVERT_OPS},
+    **{op: _view for op in RESHAPE_OPS}, **{op: _same for op in COPY_OPS}, **{op: _convert for op in CAST_OPS},
 }
