@@ -44,12 +44,14 @@ from torch.fx.passes.split_module import split_module
 from torch.nn.utils.stateless import _reparametrize_module
 
 from compile_stack.block_fakes import FakeOutput, call_key
+from compile_stack.plan_share import CallSites
 
 # A module path element that indexes a container: "G['model'].layers.3" or "L['self'].layers[3]".
 _INDEXED = re.compile(r"^(?P<container>.+?)(?:\.(?P<dot>\d+)|\[(?P<bracket>\d+)\])$")
 
-# compile(gm, example_inputs, uses) -> callable; ``uses``: how many segments share the graph.
-CompileFn = Callable[[torch.fx.GraphModule, list, int], Callable]
+# compile(gm, example_inputs, sites, richer=False) -> callable; ``sites``: the segments sharing the
+# graph (plan_share.CallSites); ``richer``: compiled for those of them its richer plan is for.
+CompileFn = Callable[..., Callable]
 
 
 def block_of(node: torch.fx.Node) -> tuple[str, int, type] | None:
@@ -114,14 +116,16 @@ def structure(gm: torch.fx.GraphModule):
 
 
 class Segment(torch.nn.Module):
-    """One segment's graph, compiled at its first call for each distinct input layout."""
+    """One segment's graph, compiled at its first call for each distinct input layout; the
+    ``position``-th of the segments sharing it."""
 
-    def __init__(self, shared: "SharedCompile"):
+    def __init__(self, shared: "SharedCompile", position: int):
         super().__init__()
         self.shared = shared
+        self.position = position
 
     def forward(self, *args):
-        return self.shared(*args)
+        return self.shared(self.position, *args)
 
 
 class SharedCompile:
@@ -140,16 +144,17 @@ class SharedCompile:
         _LazyGraphModule.force_recompile(gm)  # a lazy module's code changes at its first call, failing Dynamo's guards
         self.gm = gm
         self.compile_fn = compile_fn
-        self.uses = uses
+        self.sites = CallSites(uses)
         self.compiled: dict[tuple, Callable] = {}
 
-    def __call__(self, *args):
-        key = (torch.is_grad_enabled(), *((t.shape, t.stride(), t.dtype, t.device, t.requires_grad)
-                                          if isinstance(t, torch.Tensor) else t for t in args))
+    def __call__(self, position: int, *args):
+        richer = self.sites.takes_richer(position)
+        key = (richer, torch.is_grad_enabled(), *((t.shape, t.stride(), t.dtype, t.device, t.requires_grad)
+                                                  if isinstance(t, torch.Tensor) else t for t in args))
         fn = self.compiled.get(key)
         if fn is None:
             def backend(gm, example_inputs):
-                return self.compile_fn(gm, example_inputs, self.uses)
+                return self.compile_fn(gm, example_inputs, self.sites, richer=richer)
 
             fn = self.compiled[key] = torch.compile(_own_code(_segment_forward), backend=backend, dynamic=False)
         return fn(self.gm, *args)
@@ -189,8 +194,8 @@ def outline(gm: torch.fx.GraphModule, compile_fn: CompileFn) -> torch.fx.GraphMo
             groups[key if key is not None else name].append((name, sub))
     for members in groups.values():
         shared = SharedCompile(members[0][1], compile_fn, len(members))
-        for name, _ in members:
-            setattr(split, name, Segment(shared))
+        for position, (name, _) in enumerate(members):
+            setattr(split, name, Segment(shared, position))
     return split
 
 
@@ -219,7 +224,7 @@ def call_block(key: int, index: int, args: tuple, kwargs: dict, tensors: tuple):
     block = calls.blocks[index]
     if any(is_fake(t) for t in torch.utils._pytree.tree_leaves((args, kwargs, tensors))):  # Dynamo tracing
         return calls.fake_forward(block, args, kwargs, tensors)
-    return calls.compiled(block, *args, **kwargs)
+    return calls.compiled_for(index)(block, *args, **kwargs)
 
 
 def _class_forward(block: torch.nn.Module, *args, **kwargs):
@@ -238,11 +243,13 @@ class BlockCalls:
     """The repeated blocks of ``model``, each call one node of the captured graph while routed."""
 
     def __init__(self, blocks: list[torch.nn.Module], backend):
-        """``backend`` compiles the block's forward (its replacements count once per block)."""
+        """``backend`` (a ``PassBackend``) compiles the block's forward; its call sites are the
+        blocks, the last ``backend.sites.richer`` of which take a richer plan (plan_share.py)."""
         self.blocks = blocks
         self.backend = backend
         self.tensor_names = [name for name, _ in self._named_tensors(blocks[0])]
         self.compiled = torch.compile(_class_forward, backend=backend)
+        self.compiled_richer = torch.compile(_own_code(_class_forward), backend=backend.richer)
         self.key = id(self)
         _ROUTED[self.key] = self
         self.forwards = [self._forward(i) for i in range(len(blocks))]
@@ -261,6 +268,9 @@ class BlockCalls:
         if key is not None and key not in self.fake_outputs:
             self.fake_outputs[key] = FakeOutput.of(output, (args, kwargs, tensors))
         return output
+
+    def compiled_for(self, index: int) -> Callable:
+        return self.compiled_richer if self.backend.sites.takes_richer(index) else self.compiled
 
     @staticmethod
     def _named_tensors(block):

@@ -40,7 +40,7 @@ import torch
 from torch._functorch.partitioners import min_cut_rematerialization_partition
 from torch._inductor.custom_graph_pass import CustomPartitionerFn
 
-from compile_stack import memory, offload
+from compile_stack import memory, offload, plan_share
 from compile_stack.settings import LEAST_BUDGET
 from passes.graph_edit import copy_module
 
@@ -66,8 +66,9 @@ def saved_bytes(backward: torch.fx.GraphModule, static_inputs: Iterable[int] = (
 
 
 def plan_code_hash() -> str:
-    """A hash of the code that decides a graph's memory plan (this file and offload.py)."""
-    return hashlib.sha256(Path(__file__).read_bytes() + Path(offload.__file__).read_bytes()).hexdigest()
+    """A hash of the code that decides a graph's memory plan (this file, offload.py, plan_share.py)."""
+    code = b"".join(Path(m.__file__).read_bytes() for m in (offload, plan_share))
+    return hashlib.sha256(Path(__file__).read_bytes() + code).hexdigest()
 
 
 class MemoryLedger:
@@ -150,26 +151,36 @@ class BudgetedPartitioner(CustomPartitionerFn):
     plan its cold start chose.
     """
 
-    def __init__(self, ledger: MemoryLedger, key: str, uses: int = 1):
+    def __init__(self, ledger: MemoryLedger, key: str, uses: int = 1, richer: plan_share.Share | None = None):
         self.ledger = ledger
         self.key = key
         self.uses = uses
+        # A compile of the graph for the call sites of ``richer`` (plan_share.py): that plan, its
+        # memory already reserved by the graph's own compile.
+        self.richer = richer
         self.chosen: float | None = None  # the budget of the plan kept
         self.available = 0  # the bytes that plan had to fit
         self.fits = True
         self.offloaded = 0  # bytes of saved activations moved to host memory (all uses)
+        self.share: plan_share.Share | None = None  # call sites given a richer plan (plan_share.py)
 
     def __call__(self, gm: torch.fx.GraphModule, joint_inputs, **kwargs):
         static = kwargs.get("static_lifetime_input_indices") or ()
+        user_outputs = kwargs["num_fwd_outputs"]
+        trials: dict[float, plan_share.Plan] = {}
 
         def plan(budget: float):
             with torch._functorch.config.patch(activation_memory_budget=budget):
                 parts = min_cut_rematerialization_partition(copy_module(gm), joint_inputs, **kwargs)
-            return parts, saved_bytes(parts[1], static) * self.uses
+            trials[budget] = plan_share.Plan(parts, budget, saved_bytes(parts[1], static))
+            return parts, trials[budget].saved * self.uses
 
+        if self.richer is not None and (parts := self._richer_plan(plan, user_outputs)) is not None:
+            return parts
         best, best_budget = plan(1.0), 1.0
         working = best[1] // self.uses
         available = self.available = self.ledger.available(self.key, working)
+        moved = []
         if best[1] > available:
             lo, hi = LEAST_BUDGET, 1.0
             best, best_budget = plan(lo), lo
@@ -182,19 +193,44 @@ class BudgetedPartitioner(CustomPartitionerFn):
                 else:
                     hi = mid
             if self.fits and self.ledger.host_capacity:
-                offloading = self._offloading_plan(plan, best, best_budget, working, kwargs["num_fwd_outputs"])
+                offloading = self._offloading_plan(plan, best, best_budget, working, user_outputs)
                 if offloading is not None:
-                    best, best_budget, working = offloading
-        self.chosen = best_budget
-        self.ledger.reserve(self.key, best[1], working, self.offloaded)
+                    parts, best_budget, moved, on_gpu = offloading
+                    best = parts, on_gpu
+        saved, host, working_all = best[1], offload.value_bytes(moved) * self.uses, working + offload.value_bytes(moved)
+        if self.fits and self.uses > 1:
+            found = plan_share.richer_share(
+                trials[best_budget], [n.name for n in moved], [p for b, p in trials.items() if b != best_budget],
+                self.uses, working, user_outputs, self.ledger.device,
+                lambda w: self.ledger.available(self.key, w), self.ledger.host_available(self.key))
+            if found is not None:
+                self.share, share_working = found
+                saved += self.share.uses * self.share.extra
+                host += self.share.uses * self.share.extra_host
+                working_all = max(working_all, share_working)
+        offload.apply(*best[0], moved)
+        self.chosen, self.offloaded = best_budget, host
+        self.ledger.reserve(self.key, saved, working_all, host)
         return best[0]
+
+    def _richer_plan(self, plan, user_outputs: int):
+        """The partition of ``self.richer``, edited to move its values; None if this graph's
+        partition at its budget does not have them (not the graph it was chosen for)."""
+        share = self.richer
+        parts, saved = plan(share.budget)
+        moved = [n for n in offload.movable_values(*parts, user_outputs, self.ledger.device) if n.name in share.moved]
+        if len(moved) != len(share.moved) or saved // self.uses - offload.value_bytes(moved) != share.saved:
+            return None
+        offload.apply(*parts, moved)
+        self.chosen, self.offloaded = share.budget, share.host * share.uses
+        return parts
 
     def _offloading_plan(self, plan, fitting, low: float, working: int, user_outputs: int):
         """Among the plans of budgets OFFLOAD_BUDGETS above ``low``, the one whose backward
         recomputes the fewest matmul FLOPs once enough of its saved values move to the host for
-        the rest to fit the GPU (``_moved_to_fit``), within the host's room. Returns (its
-        partition edited to offload them, GPU bytes), budget, working set; None if no plan
-        recomputes less than ``fitting``."""
+        the rest to fit the GPU (``_moved_to_fit``), within the host's room: (its partition, its
+        budget, the values to move, GPU bytes); None if no plan recomputes less than
+        ``fitting``."""
         kept = offload.saved_names(fitting[0][1])
         best_flops, found = offload.matmul_flops(fitting[0][1]), None
         for budget in (b for b in OFFLOAD_BUDGETS if b > low):
@@ -203,12 +239,7 @@ class BudgetedPartitioner(CustomPartitionerFn):
             fit = self._moved_to_fit(parts, on_gpu, kept, working, user_outputs) if flops < best_flops else None
             if fit is not None and offload.value_bytes(fit[0]) * self.uses <= self.ledger.host_available(self.key):
                 best_flops, found = flops, (parts, budget, *fit)
-        if found is None:
-            return None
-        parts, budget, moved, on_gpu = found
-        offload.apply(*parts, moved)
-        self.offloaded = offload.value_bytes(moved) * self.uses
-        return (parts, on_gpu), budget, working + offload.value_bytes(moved)
+        return found
 
     def _moved_to_fit(self, parts, on_gpu: int, kept: set[str], working: int, user_outputs: int):
         """The saved values of ``parts`` to move to the host so that the rest fits the GPU beside
@@ -231,4 +262,5 @@ class BudgetedPartitioner(CustomPartitionerFn):
 
     def uuid(self):
         state = (self.ledger.allocated() + self.ledger.future_state()) >> 30
-        return f"{plan_code_hash()}:{self.uses}:{self.ledger.capacity:.0f}:{state}:{self.ledger.host_capacity}"
+        identity = f"{plan_code_hash()}:{self.uses}:{self.ledger.capacity:.0f}:{state}:{self.ledger.host_capacity}"
+        return identity if self.richer is None else f"{identity}:richer:{self.richer}"

@@ -34,7 +34,7 @@ from torch._inductor.compile_fx import compile_fx, graph_returns_tuple, make_gra
 from torch._inductor.decomposition import select_decomp_table
 from torch._inductor.runtime import cache_dir_utils
 
-from compile_stack import blocks, input_masks, inspection, settings
+from compile_stack import blocks, input_masks, inspection, plan_share, settings
 from compile_stack.budget import BudgetedPartitioner, MemoryLedger
 from passes import registry
 from passes.graph_edit import copy_module
@@ -61,9 +61,10 @@ class PassBackend:
         # without the caller holding ``active()`` open. False: at the first backward(), which must
         # then run inside ``active()`` (compile_step's call does).
         self.backward_now = backward_now
-        # How many call sites each graph serves (a block's graph: one per block); replacements
-        # are counted that many times.
-        self.uses = uses
+        # The call sites each graph serves (a block's graph: one per block); replacements are
+        # counted that many times, and the last ``sites.richer`` of them may take a richer plan.
+        self.sites = plan_share.CallSites(uses)
+        self.shares: dict[str, plan_share.Share | None] = {}  # by ledger key: the graphs' richer plans
         self.memory_budget = memory_budget
         # Without a fixed budget, each graph's budget is chosen to fit this ledger (budget.py).
         self.ledger = ledger if memory_budget is None else None
@@ -97,10 +98,16 @@ class PassBackend:
                     self.writer.begin_graph(f"{self.name}.captured{self.captures}", gm)
                 self.captures += 1
                 return segmented
-        return self._compile(gm, example_inputs, self.uses)
+        return self._compile(gm, example_inputs, self.sites)
 
-    def _compile(self, gm: torch.fx.GraphModule, example_inputs, uses: int = 1):
-        """Compile one graph; its replacements count ``uses`` times (segments sharing it)."""
+    def richer(self, gm: torch.fx.GraphModule, example_inputs):
+        """A backend compiling each graph for its richer call sites (``self.sites.richer``)."""
+        return self._compile(gm, example_inputs, self.sites, richer=True)
+
+    def _compile(self, gm: torch.fx.GraphModule, example_inputs, sites: plan_share.CallSites, richer: bool = False):
+        """Compile one graph for ``sites``; its replacements count once per call site. ``richer``:
+        a second compile of it for the call sites its first compile gave a richer plan (those
+        memory is reserved by the first; its passes are counted there)."""
         graph_name = f"{self.name}{self.graphs}"
         self.graphs += 1
         report = registry.REPORT
@@ -113,9 +120,12 @@ class PassBackend:
         # Inspecting: the backward's code is filed under this graph only if compiled now.
         backward_now = torch._functorch.config.patch(
             force_non_lazy_backward_lowering=self.backward_now or self.writer is not None)
-        partitioner = None
+        partitioner = identity = None
+        key = f"{self.name}:{self._report_key(gm).stem}"
         if self.ledger is not None:
-            partitioner = BudgetedPartitioner(self.ledger, f"{self.name}:{self._report_key(gm).stem}", uses)
+            partitioner = BudgetedPartitioner(self.ledger, key, sites.count,
+                                              richer=self.shares.get(key) if richer else None)
+            identity = partitioner.uuid()  # before the compile reserves, as Inductor's cache key has it
         compile_graph = functools.partial(compile_fx if self.codegen else self._compile_without_codegen,
                                           **({} if self.codegen else {"partitioner": partitioner}))
         # An offloaded activation is read by a copy on a side stream after its last reader on the
@@ -130,9 +140,14 @@ class PassBackend:
                 compiled = compile_graph(gm, example_inputs)
             else:  # a segment returning one value
                 compiled = make_graph_return_tuple(gm, example_inputs, compile_graph)
-        if partitioner is not None and partitioner.chosen is not None:
-            self._note_budget(graph_name, partitioner, uses)
-        self._settle_report(gm, runs_before, counts_before, notes_before, uses)
+        if richer:  # the first compile's passes and notes stand for both
+            report.replacements, report.notes[:] = counts_before, report.notes[:notes_before]
+        else:
+            if partitioner is not None and sites.count > 1:
+                sites.richer = self._settle_share(key, identity, partitioner)
+            if partitioner is not None and partitioner.chosen is not None:
+                self._note_budget(graph_name, partitioner, sites.count)
+            self._settle_report(gm, runs_before, counts_before, notes_before, sites.count)
         return input_masks.MaskGuard(compiled, captured, masks, graph_name) if masks else compiled
 
     def _prepare(self, gm: torch.fx.GraphModule, masks: dict) -> None:
@@ -147,11 +162,25 @@ class PassBackend:
             input_masks.rebuild(gm, masks)
         gm.recompile()
 
+    def _settle_share(self, key: str, identity: str, partitioner: BudgetedPartitioner) -> int:
+        """How many call sites take the graph's richer plan: as its partitioner chose (and written
+        for the next start), or, served from the caches, as the compile that partitioned it did."""
+        if partitioner.chosen is not None:
+            share = partitioner.share
+            plan_share.remember(key, identity, share)
+        else:
+            share = plan_share.recall(key, identity)
+        self.shares[key] = share
+        return share.uses if share is not None else 0
+
     def _note_budget(self, graph_name: str, partitioner: BudgetedPartitioner, uses: int) -> None:
         saved = partitioner.ledger.reserved[partitioner.key] / 2**30
         where = f"{graph_name} saves {saved:.2f} GiB for its backward" + (f" ({uses} call sites)" if uses > 1 else "")
         if partitioner.offloaded:
             where += f" and {partitioner.offloaded / 2**30:.2f} GiB in host memory"
+        if (share := partitioner.share) is not None:
+            where += (f", the last {share.uses} at activation memory budget {share.budget:.3g} "
+                      f"({share.uses * (share.extra + share.extra_host) / 2**30:.2f} GiB of it), the others")
         if partitioner.fits:
             registry.note("memory", f"{where} at activation memory budget {partitioner.chosen:.3g}")
         else:

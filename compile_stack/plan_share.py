@@ -1,0 +1,143 @@
+"""Some of a shared graph's call sites on a richer plan: what one plan for all of them leaves over.
+
+A block's graph serves every block, and budget.py picks one plan for all of
+them: the one recomputing the least that fits the memory times the number of
+blocks. What that leaves free is often less than one more saved value times
+every block, but enough for that value in some of them: the full preset's
+block keeps 68 GiB on one H200 and 108 GiB in host memory, and saving the O
+projection as well would take 17 GiB more (34 × 512 MiB), about 6.5 GiB of
+which is free. So the last ``uses`` call sites (``CallSites.richer``) take a
+plan of a larger budget that recomputes fewer matmul FLOPs (``Share``), with
+its saved values placed so that all of them fit beside the shared plan's: the
+same values in host memory (its extra ones too where only the host has the
+room). The graph is compiled a second time with that plan (capture.py), and
+blocks.py routes those call sites to it.
+
+A warm start is served the shared plan from the compile caches without
+partitioning, so the share is written beside them, keyed by what decides it
+(the graph and the partitioner's identity), and read back there.
+"""
+import contextlib
+import dataclasses
+import hashlib
+import json
+import os
+from collections.abc import Callable
+from pathlib import Path
+
+import torch.fx as fx
+from torch._inductor.runtime import cache_dir_utils
+
+from compile_stack import offload
+
+
+@dataclasses.dataclass
+class CallSites:
+    """The call sites one graph serves (``count``) and how many of them, the last ones, take the
+    graph's richer plan (``richer``; set when the graph is compiled)."""
+
+    count: int
+    richer: int = 0
+
+    def takes_richer(self, position: int) -> bool:
+        return position >= self.count - self.richer
+
+
+@dataclasses.dataclass(frozen=True)
+class Share:
+    """The richer plan of ``uses`` call sites: the partition at ``budget`` with the saved values
+    named ``moved`` in host memory; it keeps ``saved`` bytes on the device and ``host`` in host
+    memory per call site, ``extra``/``extra_host`` more than the shared plan."""
+
+    uses: int
+    budget: float
+    moved: tuple[str, ...]
+    saved: int
+    host: int
+    extra: int
+    extra_host: int
+
+
+@dataclasses.dataclass
+class Plan:
+    """One partition of a joint graph as the share's search sees it."""
+
+    parts: tuple[fx.GraphModule, fx.GraphModule]
+    budget: float
+    saved: int  # device bytes per call site, before any value moves to host memory
+
+
+def richer_share(chosen: Plan, moved: list[str], others: list[Plan], uses: int, working: int, user_outputs: int,
+                 device, available: Callable[[int], int], host_available: int) -> tuple[Share, int] | None:
+    """The share of ``uses`` call sites, each on the ``chosen`` plan with the values named ``moved``
+    in host memory, that saves the most matmul FLOPs in what that leaves: (the share, its working
+    set), or None if no plan of ``others`` helps.
+
+    ``working``: the chosen plan's working set less its moved values; ``available(working)``: the
+    device bytes the graph's plans may take beside a working set (``MemoryLedger.available``);
+    ``host_available``: the host bytes they may take."""
+    chosen_host = offload.value_bytes(_named(chosen, moved, user_outputs, device))
+    chosen_saved = chosen.saved - chosen_host
+    host_free = host_available - uses * chosen_host
+    flops = offload.matmul_flops(chosen.parts[1])
+    best, best_gain = None, 0
+    for plan in others:
+        fewer = flops - offload.matmul_flops(plan.parts[1])
+        if plan.budget <= chosen.budget or fewer <= 0:
+            continue
+        movable = offload.movable_values(*plan.parts, user_outputs, device)
+        kept_there = [n for n in movable if n.name in moved]
+        placements = [kept_there]
+        if host_free > 0:  # its extra values in host memory as well
+            chosen_names = offload.saved_names(chosen.parts[1])
+            placements.append(kept_there + [n for n in movable if n.name not in chosen_names])
+        for there in placements:
+            host = offload.value_bytes(there)
+            saved, its_working = plan.saved - host, working + host
+            free = available(max(its_working, working + chosen_host)) - uses * chosen_saved
+            k = min(uses - 1, _fits(free, saved - chosen_saved), _fits(host_free, host - chosen_host))
+            if k * fewer > best_gain:
+                best_gain = k * fewer
+                best = Share(k, plan.budget, tuple(n.name for n in there), saved, host,
+                             saved - chosen_saved, host - chosen_host), its_working
+    return best
+
+
+def _fits(room: int, each: int) -> int:
+    """How many of something taking ``each`` bytes fit ``room`` (any number if it takes none)."""
+    if each <= 0:
+        return 2**62
+    return max(room, 0) // each
+
+
+def _named(plan: Plan, names: list[str], user_outputs: int, device) -> list[fx.Node]:
+    return [n for n in offload.movable_values(*plan.parts, user_outputs, device) if n.name in names]
+
+
+def _path(key: str, identity: str) -> Path:
+    digest = hashlib.sha256(f"{key}\n{identity}".encode()).hexdigest()[:32]
+    return Path(cache_dir_utils.cache_dir()) / "cstack_plan_shares" / f"{digest}.json"
+
+
+def remember(key: str, identity: str, share: Share | None) -> None:
+    """Write the share a graph's compile chose (none too), atomically; nothing where the cache
+    cannot be written (the next start then runs every call site on the shared plan)."""
+    path = _path(key, identity)
+    tmp = path.with_suffix(f".{os.getpid()}.tmp")
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp.write_text(json.dumps(None if share is None else dataclasses.asdict(share)))
+        os.replace(tmp, path)
+    except OSError:
+        with contextlib.suppress(OSError):
+            tmp.unlink()
+
+
+def recall(key: str, identity: str) -> Share | None:
+    """The share remembered for the graph ``key`` compiled by a partitioner of ``identity``; None
+    if none was, or the record is unreadable."""
+    try:
+        data = json.loads(_path(key, identity).read_text())
+        return None if data is None else Share(**{**data, "moved": tuple(data["moved"])})
+    except (OSError, ValueError, TypeError):
+        return None
