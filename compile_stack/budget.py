@@ -162,7 +162,7 @@ class BudgetedPartitioner(CustomPartitionerFn):
         self.available = 0  # the bytes that plan had to fit
         self.fits = True
         self.offloaded = 0  # bytes of saved activations moved to host memory (all uses)
-        self.share: plan_share.Share | None = None  # call sites given a richer plan (plan_share.py)
+        self.candidates: plan_share.Candidates | None = None  # for settle_share, after the partition
 
     def __call__(self, gm: torch.fx.GraphModule, joint_inputs, **kwargs):
         static = kwargs.get("static_lifetime_input_indices") or ()
@@ -197,21 +197,30 @@ class BudgetedPartitioner(CustomPartitionerFn):
                 if offloading is not None:
                     parts, best_budget, moved, on_gpu = offloading
                     best = parts, on_gpu
-        saved, host, working_all = best[1], offload.value_bytes(moved) * self.uses, working + offload.value_bytes(moved)
         if self.fits and self.uses > 1:
-            found = plan_share.richer_share(
-                trials[best_budget], [n.name for n in moved], [p for b, p in trials.items() if b != best_budget],
-                self.uses, working, user_outputs, self.ledger.device,
-                lambda w: self.ledger.available(self.key, w), self.ledger.host_available(self.key))
-            if found is not None:
-                self.share, share_working = found
-                saved += self.share.uses * self.share.extra
-                host += self.share.uses * self.share.extra_host
-                working_all = max(working_all, share_working)
+            others = [p for b, p in sorted(trials.items()) if b > best_budget]
+            self.candidates = plan_share.Candidates.of(trials[best_budget], moved, others, working, user_outputs)
         offload.apply(*best[0], moved)
-        self.chosen, self.offloaded = best_budget, host
-        self.ledger.reserve(self.key, saved, working_all, host)
+        self.chosen, self.offloaded = best_budget, offload.value_bytes(moved) * self.uses
+        self.ledger.reserve(self.key, best[1], working + offload.value_bytes(moved), self.offloaded)
         return best[0]
+
+    def settle_share(self) -> plan_share.Share | None:
+        """The richer plan for some of the graph's call sites in what the step's plans leave over
+        (called once every graph of the step has its plan), its memory reserved; None if none."""
+        if self.candidates is None:
+            return None
+        found = plan_share.richer_share(self.candidates, self.uses, self.ledger.device,
+                                        lambda w: self.ledger.available(self.key, w),
+                                        self.ledger.host_available(self.key))
+        self.candidates = None  # the partitions it held
+        if found is None:
+            return None
+        share, working = found
+        book = self.ledger
+        book.reserve(self.key, book.reserved[self.key] + share.uses * share.extra, working,
+                     book.host_reserved[self.key] + share.uses * share.extra_host)
+        return share
 
     def _richer_plan(self, plan, user_outputs: int):
         """The partition of ``self.richer``, edited to move its values; None if this graph's
@@ -222,7 +231,7 @@ class BudgetedPartitioner(CustomPartitionerFn):
         if len(moved) != len(share.moved) or saved // self.uses - offload.value_bytes(moved) != share.saved:
             return None
         offload.apply(*parts, moved)
-        self.chosen, self.offloaded = share.budget, share.host * share.uses
+        self.chosen = share.budget
         return parts
 
     def _offloading_plan(self, plan, fitting, low: float, working: int, user_outputs: int):

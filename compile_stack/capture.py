@@ -65,6 +65,9 @@ class PassBackend:
         # counted that many times, and the last ``sites.richer`` of them may take a richer plan.
         self.sites = plan_share.CallSites(uses)
         self.shares: dict[str, plan_share.Share | None] = {}  # by ledger key: the graphs' richer plans
+        # Graphs compiled for several call sites whose share is not settled yet (settle_shares):
+        # (graph name, ledger key, partitioner identity, partitioner, call sites).
+        self.unsettled: list[tuple[str, str, str, BudgetedPartitioner, plan_share.CallSites]] = []
         self.memory_budget = memory_budget
         # Without a fixed budget, each graph's budget is chosen to fit this ledger (budget.py).
         self.ledger = ledger if memory_budget is None else None
@@ -144,7 +147,7 @@ class PassBackend:
             report.replacements, report.notes[:] = counts_before, report.notes[:notes_before]
         else:
             if partitioner is not None and sites.count > 1:
-                sites.richer = self._settle_share(key, identity, partitioner)
+                self.unsettled.append((graph_name, key, identity, partitioner, sites))
             if partitioner is not None and partitioner.chosen is not None:
                 self._note_budget(graph_name, partitioner, sites.count)
             self._settle_report(gm, runs_before, counts_before, notes_before, sites.count)
@@ -162,25 +165,31 @@ class PassBackend:
             input_masks.rebuild(gm, masks)
         gm.recompile()
 
-    def _settle_share(self, key: str, identity: str, partitioner: BudgetedPartitioner) -> int:
-        """How many call sites take the graph's richer plan: as its partitioner chose (and written
-        for the next start), or, served from the caches, as the compile that partitioned it did."""
-        if partitioner.chosen is not None:
-            share = partitioner.share
-            plan_share.remember(key, identity, share)
-        else:
-            share = plan_share.recall(key, identity)
-        self.shares[key] = share
-        return share.uses if share is not None else 0
+    def settle_shares(self) -> None:
+        """Give the graphs compiled since the last call their richer call sites (plan_share.py), in
+        what every graph's plan leaves over: call once the step's graphs have all been compiled
+        (after a call of it). A graph served from the caches takes the share the compile that
+        partitioned it chose."""
+        for graph_name, key, identity, partitioner, sites in self.unsettled:
+            if partitioner.chosen is not None:
+                share = partitioner.settle_share()
+                plan_share.remember(key, identity, share)
+            else:
+                share = plan_share.recall(key, identity)
+            self.shares[key] = share
+            sites.richer = share.uses if share is not None else 0
+            if share is not None:
+                registry.note("memory", f"the last {share.uses} of {graph_name}'s {sites.count} call sites take the "
+                              f"plan of activation memory budget {share.budget:.3g}: "
+                              f"{share.uses * share.saved / 2**30:.2f} GiB on the device and "
+                              f"{share.uses * share.host / 2**30:.2f} GiB in host memory for them")
+        self.unsettled.clear()
 
     def _note_budget(self, graph_name: str, partitioner: BudgetedPartitioner, uses: int) -> None:
         saved = partitioner.ledger.reserved[partitioner.key] / 2**30
         where = f"{graph_name} saves {saved:.2f} GiB for its backward" + (f" ({uses} call sites)" if uses > 1 else "")
         if partitioner.offloaded:
             where += f" and {partitioner.offloaded / 2**30:.2f} GiB in host memory"
-        if (share := partitioner.share) is not None:
-            where += (f", the last {share.uses} at activation memory budget {share.budget:.3g} "
-                      f"({share.uses * (share.extra + share.extra_host) / 2**30:.2f} GiB of it), the others")
         if partitioner.fits:
             registry.note("memory", f"{where} at activation memory budget {partitioner.chosen:.3g}")
         else:

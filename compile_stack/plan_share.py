@@ -67,39 +67,58 @@ class Plan:
     saved: int  # device bytes per call site, before any value moves to host memory
 
 
-def richer_share(chosen: Plan, moved: list[str], others: list[Plan], uses: int, working: int, user_outputs: int,
-                 device, available: Callable[[int], int], host_available: int) -> tuple[Share, int] | None:
-    """The share of ``uses`` call sites, each on the ``chosen`` plan with the values named ``moved``
-    in host memory, that saves the most matmul FLOPs in what that leaves: (the share, its working
-    set), or None if no plan of ``others`` helps.
+@dataclasses.dataclass
+class Candidates:
+    """What a graph's partition leaves for its share's search: the chosen plan (its device and
+    host bytes per call site, the values it saves, those of them in host memory, the matmul
+    FLOPs its backward recomputes), the plans of larger budgets, the working set of one call
+    site less its moved values, and how many of the forward's outputs are the user's."""
 
-    ``working``: the chosen plan's working set less its moved values; ``available(working)``: the
-    device bytes the graph's plans may take beside a working set (``MemoryLedger.available``);
-    ``host_available``: the host bytes they may take."""
-    chosen_host = offload.value_bytes(_named(chosen, moved, user_outputs, device))
-    chosen_saved = chosen.saved - chosen_host
-    host_free = host_available - uses * chosen_host
-    flops = offload.matmul_flops(chosen.parts[1])
+    saved: int
+    host: int
+    names: set[str]
+    moved: tuple[str, ...]
+    flops: int
+    others: list[Plan]
+    working: int
+    user_outputs: int
+
+    @classmethod
+    def of(cls, chosen: Plan, moved: list[fx.Node], others: list[Plan], working: int, user_outputs: int):
+        """``chosen``'s candidates, ``moved`` to host memory (taken before the partition is edited)."""
+        host = offload.value_bytes(moved)
+        return cls(chosen.saved - host, host, offload.saved_names(chosen.parts[1]), tuple(n.name for n in moved),
+                   offload.matmul_flops(chosen.parts[1]), others, working, user_outputs)
+
+
+def richer_share(found: Candidates, uses: int, device, available: Callable[[int], int],
+                 host_available: int) -> tuple[Share, int] | None:
+    """The share of the ``uses`` call sites that saves the most matmul FLOPs in the memory the
+    chosen plan leaves: (the share, its working set), or None if no plan helps.
+
+    ``available(working)``: the device bytes the graph's plans may take beside a working set
+    (``MemoryLedger.available``); ``host_available``: the host bytes they may take."""
+    working = found.working
+    host_free = host_available - uses * found.host
     best, best_gain = None, 0
-    for plan in others:
-        fewer = flops - offload.matmul_flops(plan.parts[1])
-        if plan.budget <= chosen.budget or fewer <= 0:
+    for plan in found.others:  # by budget, the smallest first: it wins a tie
+        fewer = found.flops - offload.matmul_flops(plan.parts[1])
+        if fewer <= 0:
             continue
-        movable = offload.movable_values(*plan.parts, user_outputs, device)
-        kept_there = [n for n in movable if n.name in moved]
+        movable = offload.movable_values(*plan.parts, found.user_outputs, device)
+        kept_there = [n for n in movable if n.name in found.moved]
         placements = [kept_there]
         if host_free > 0:  # its extra values in host memory as well
-            chosen_names = offload.saved_names(chosen.parts[1])
-            placements.append(kept_there + [n for n in movable if n.name not in chosen_names])
+            placements.append(kept_there + [n for n in movable if n.name not in found.names])
         for there in placements:
             host = offload.value_bytes(there)
             saved, its_working = plan.saved - host, working + host
-            free = available(max(its_working, working + chosen_host)) - uses * chosen_saved
-            k = min(uses - 1, _fits(free, saved - chosen_saved), _fits(host_free, host - chosen_host))
+            free = available(max(its_working, working + found.host)) - uses * found.saved
+            k = min(uses - 1, _fits(free, saved - found.saved), _fits(host_free, host - found.host))
             if k * fewer > best_gain:
                 best_gain = k * fewer
                 best = Share(k, plan.budget, tuple(n.name for n in there), saved, host,
-                             saved - chosen_saved, host - chosen_host), its_working
+                             saved - found.saved, host - found.host), its_working
     return best
 
 
@@ -108,10 +127,6 @@ def _fits(room: int, each: int) -> int:
     if each <= 0:
         return 2**62
     return max(room, 0) // each
-
-
-def _named(plan: Plan, names: list[str], user_outputs: int, device) -> list[fx.Node]:
-    return [n for n in offload.movable_values(*plan.parts, user_outputs, device) if n.name in names]
 
 
 def _path(key: str, identity: str) -> Path:
