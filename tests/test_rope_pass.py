@@ -287,3 +287,21 @@ def test_float64_is_left_alone_with_a_note():
     assert REPORT.replacements["rope"] == 0
     assert any("16/32-bit floats" in n for n in REPORT.notes), REPORT.notes
     _close(eager, compiled, 1e-12)
+
+
+class ScaledRotation(PairsThenHalves):
+    """The rotation of its input times a 0-d parameter (as an optimizer's update multiplies by its
+    0-d lr): a scalar, not a table; the pass once failed on such a product."""
+
+    def __init__(self, dim):
+        super().__init__(dim)
+        self.scale = nn.Parameter(torch.tensor(0.5))
+
+    def forward(self, x):
+        return super().forward(x * self.scale)
+
+
+def test_a_product_with_a_0d_tensor_is_not_a_table():
+    eager, compiled = _run(Heads(ScaledRotation(HEAD_DIM)))
+    assert REPORT.replacements["rope"] == 2 and not REPORT.notes, REPORT.notes
+    _close(eager, compiled, 1e-5)

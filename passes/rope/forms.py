@@ -204,7 +204,7 @@ def _broadcasts_over(table: torch.Tensor, form: Form, width: int) -> bool:
     """Whether ``table`` is ``width`` wide and constant over ``form``'s trailing dims before the last
     (heads split off a projection but not yet moved into the lead)."""
     extra = min(len(form.trailing) - 1, table.dim() - 1)
-    return table.shape[-1] == width and all(table.shape[-2 - i] == 1 for i in range(extra))
+    return table.dim() > 0 and table.shape[-1] == width and all(table.shape[-2 - i] == 1 for i in range(extra))
 
 
 def _mul(forms, node, val):
