@@ -176,7 +176,7 @@ class BudgetedPartitioner(CustomPartitionerFn):
             return parts, trials[budget].saved * self.uses
 
         if self.richer is not None and (parts := self._richer_plan(plan, user_outputs)) is not None:
-            return parts
+            return parts  # its memory is in the graph's own compile's reservation
         best, best_budget = plan(1.0), 1.0
         working = best[1] // self.uses
         available = self.available = self.ledger.available(self.key, working)
@@ -197,6 +197,10 @@ class BudgetedPartitioner(CustomPartitionerFn):
                 if offloading is not None:
                     parts, best_budget, moved, on_gpu = offloading
                     best = parts, on_gpu
+        if self.richer is not None:  # not the graph the share was chosen for: a plan fitting what is left
+            offload.apply(*best[0], moved)
+            self.chosen = best_budget
+            return best[0]
         if self.fits and self.uses > 1:
             others = [p for b, p in sorted(trials.items()) if b > best_budget]
             self.candidates = plan_share.Candidates.of(trials[best_budget], moved, others, working, user_outputs)

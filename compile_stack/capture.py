@@ -64,7 +64,6 @@ class PassBackend:
         # The call sites each graph serves (a block's graph: one per block); replacements are
         # counted that many times, and the last ``sites.richer`` of them may take a richer plan.
         self.sites = plan_share.CallSites(uses)
-        self.shares: dict[str, plan_share.Share | None] = {}  # by ledger key: the graphs' richer plans
         # Graphs compiled for several call sites whose share is not settled yet (settle_shares):
         # (graph name, ledger key, partitioner identity, partitioner, call sites).
         self.unsettled: list[tuple[str, str, str, BudgetedPartitioner, plan_share.CallSites]] = []
@@ -126,8 +125,7 @@ class PassBackend:
         partitioner = identity = None
         key = f"{self.name}:{self._report_key(gm).stem}"
         if self.ledger is not None:
-            partitioner = BudgetedPartitioner(self.ledger, key, sites.count,
-                                              richer=self.shares.get(key) if richer else None)
+            partitioner = BudgetedPartitioner(self.ledger, key, sites.count, richer=sites.share if richer else None)
             identity = partitioner.uuid()  # before the compile reserves, as Inductor's cache key has it
         compile_graph = functools.partial(compile_fx if self.codegen else self._compile_without_codegen,
                                           **({} if self.codegen else {"partitioner": partitioner}))
@@ -176,8 +174,7 @@ class PassBackend:
                 plan_share.remember(key, identity, share)
             else:
                 share = plan_share.recall(key, identity)
-            self.shares[key] = share
-            sites.richer = share.uses if share is not None else 0
+            sites.share = share
             if share is not None:
                 registry.note("memory", f"the last {share.uses} of {graph_name}'s {sites.count} call sites take the "
                               f"plan of activation memory budget {share.budget:.3g}: "

@@ -33,11 +33,16 @@ from compile_stack import offload
 
 @dataclasses.dataclass
 class CallSites:
-    """The call sites one graph serves (``count``) and how many of them, the last ones, take the
-    graph's richer plan (``richer``; set when the graph is compiled)."""
+    """The call sites one graph serves (``count``) and the richer plan of the last of them
+    (``share``; settled after the step's first call)."""
 
     count: int
-    richer: int = 0
+    share: "Share | None" = None
+
+    @property
+    def richer(self) -> int:
+        """How many call sites take the richer plan."""
+        return self.share.uses if self.share is not None else 0
 
     def takes_richer(self, position: int) -> bool:
         return position >= self.count - self.richer

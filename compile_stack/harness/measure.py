@@ -68,9 +68,10 @@ def measure(step: FirstCallTimer, batch, args, plan, label: str) -> dict:
         log(f"[{label}] first step (compiles when compiled)...")
         step(*batch)
     log(f"[{label}] first step took {step.first_s:.1f} s")
-    for i in range(args.warmup):
-        step(*batch)
-        log(f"[{label}] warm-up {i + 1}/{args.warmup}")
+    for i in range(args.warmup):  # timed too: the second call compiles a graph's richer plan (plan_share.py)
+        t0 = time.perf_counter()
+        step(*batch).detach().item()  # synchronizes
+        log(f"[{label}] warm-up {i + 1}/{args.warmup} took {time.perf_counter() - t0:.1f} s")
     log(f"[{label}] timing {args.steps} steps...")
     times, loss = timed_steps(step, batch, args.steps, plan.device)
     step_ms = statistics.median(times)
