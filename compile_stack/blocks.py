@@ -28,7 +28,9 @@ and loss together, so the fused cross-entropy pass still sees them). Each
 piece is compiled at its first call with the real tensors it gets (per
 distinct input layout), and AOTAutograd makes each differentiable, so
 ``backward()`` runs each piece's compiled backward in turn. A model with no
-repeated blocks is compiled whole.
+repeated blocks is compiled whole. The last blocks (or segments) of a shared
+graph may take a richer plan where memory is left over (``plan_share.py``):
+those calls go to a second compile of the same forward.
 """
 import contextlib
 import re

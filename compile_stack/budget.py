@@ -30,6 +30,10 @@ recomputes matmuls compares the plans of larger budgets: each fits once
 enough of its saved values travel through the host instead, within the
 ledger's host memory, and the one recomputing the fewest matmul FLOPs is
 kept; the backward's copies started ahead count in its working set.
+
+A graph with several call sites keeps the plans it tried: once every graph
+of the step has its plan, ``settle_share`` gives what is left over to the
+last call sites as a plan recomputing less (``plan_share.py``).
 """
 import hashlib
 import weakref
@@ -148,7 +152,8 @@ class BudgetedPartitioner(CustomPartitionerFn):
     ``uses``, the device's capacity and the state the step keeps (allocated
     now and still to come, to the GiB): for a given graph, which is in
     Inductor's key already, these decide the plan, so a warm start finds the
-    plan its cold start chose.
+    plan its cold start chose. With ``richer``, the plan of a share of the call
+    sites, and that share in the identity.
     """
 
     def __init__(self, ledger: MemoryLedger, key: str, uses: int = 1, richer: plan_share.Share | None = None):

@@ -3,19 +3,22 @@
 A block's graph serves every block, and budget.py picks one plan for all of
 them: the one recomputing the least that fits the memory times the number of
 blocks. What that leaves free is often less than one more saved value times
-every block, but enough for that value in some of them: the full preset's
-block keeps 68 GiB on one H200 and 108 GiB in host memory, and saving the O
-projection as well would take 17 GiB more (34 × 512 MiB), about 6.5 GiB of
-which is free. So the last ``uses`` call sites (``CallSites.richer``) take a
-plan of a larger budget that recomputes fewer matmul FLOPs (``Share``), with
-its saved values placed so that all of them fit beside the shared plan's: the
-same values in host memory (its extra ones too where only the host has the
-room). The graph is compiled a second time with that plan (capture.py), and
-blocks.py routes those call sites to it.
+every block, but enough for that value in some of them: with offload at 0.88
+of the H200 host, the full preset's block keeps 68 GiB on the GPU and 108 GiB
+in host memory, and saving its O projection as well would take 17 GiB more
+(34 × 512 MiB), 2.5 GiB of which is left once the head and loss have their
+plan. So the last ``uses`` call sites (``CallSites.richer``) take a plan of a
+larger budget that recomputes fewer matmul FLOPs (``Share``), its saved values
+placed so that all fit beside the shared plan's: the same values in host
+memory (its extra ones too where only the host has the room).
 
-A warm start is served the shared plan from the compile caches without
-partitioning, so the share is written beside them, keyed by what decides it
-(the graph and the partitioner's identity), and read back there.
+The share is settled once every graph of the step has its plan (after the
+step's first call: a graph planned after the blocks must still fit), so from
+the second call on those call sites run a second compile of the graph with
+that plan (capture.py; blocks.py routes them). A warm start is served the
+shared plan from the compile caches without partitioning, so the share is
+written beside them, keyed by what decides it (the graph and the
+partitioner's identity), and read back there.
 """
 import contextlib
 import dataclasses

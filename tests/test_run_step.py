@@ -39,6 +39,7 @@ def test_compiled_step_checks_inspects_profiles_and_reports(tmp_path, cache, cap
                                  "attention": layers, "cross_entropy": 1, "adamw": 1, "linalg_qr": 0,
                                  "newton_schulz": 0}
     assert summary["passes"]["param_data"] > 0
+    assert not [n for n in summary["pass_notes"] if "failed" in n], summary["pass_notes"]  # no pass broke on a graph
     index = (inspect_dir / "index.md").read_text()
     for kind in ("model.captured0.dynamo.py", "model0.joint.after.txt", "block0.dynamo.py", "block0.joint.before.txt",
                  "block0.joint.after.txt", "block0.code.py", "block0.code.2.py", "model1.joint.after.txt",
