@@ -108,8 +108,8 @@ class PassBackend:
 
     def _compile(self, gm: torch.fx.GraphModule, example_inputs, sites: plan_share.CallSites, richer: bool = False):
         """Compile one graph for ``sites``; its replacements count once per call site. ``richer``:
-        a second compile of it for the call sites its first compile gave a richer plan (those
-        memory is reserved by the first; its passes are counted there)."""
+        a second compile of it for the call sites given a richer plan (their memory is reserved,
+        and the graph's passes counted, by the first)."""
         graph_name = f"{self.name}{self.graphs}"
         self.graphs += 1
         report = registry.REPORT

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 import compile_stack
-from compile_stack import budget, offload, user_step
+from compile_stack import budget, offload, plan_share, user_step
 from compile_stack.budget import SCRATCH_BYTES, MemoryLedger
 from passes import registry
 from tests import user_models
@@ -141,3 +141,13 @@ def test_a_warm_start_partitions_nothing_and_routes_the_same_blocks(monkeypatch,
     warm, book, partitions = train(monkeypatch, capacity, codegen=True, cache_dir=tmp_path)
     assert partitions == [] and warm.block_calls[0].backend.sites.richer == k
     assert share_note() == note
+
+
+def test_a_damaged_or_missing_record_gives_no_share(tmp_path, monkeypatch):
+    monkeypatch.setattr(plan_share.cache_dir_utils, "cache_dir", lambda: str(tmp_path))
+    share = plan_share.Share(uses=3, budget=0.65, moved=("mm_1",), saved=10, host=20, extra=5, extra_host=0)
+    plan_share.remember("block:abc", "identity", share)
+    assert plan_share.recall("block:abc", "identity") == share
+    assert plan_share.recall("block:abc", "another identity") is None
+    plan_share._path("block:abc", "identity").write_text("{not json")
+    assert plan_share.recall("block:abc", "identity") is None
