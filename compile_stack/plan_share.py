@@ -162,5 +162,5 @@ def recall(key: str, identity: str) -> Share | None:
     try:
         data = json.loads(_path(key, identity).read_text())
         return None if data is None else Share(**{**data, "moved": tuple(data["moved"])})
-    except (OSError, ValueError, TypeError):
+    except (OSError, ValueError, TypeError, KeyError):
         return None

@@ -149,5 +149,6 @@ def test_a_damaged_or_missing_record_gives_no_share(tmp_path, monkeypatch):
     plan_share.remember("block:abc", "identity", share)
     assert plan_share.recall("block:abc", "identity") == share
     assert plan_share.recall("block:abc", "another identity") is None
-    plan_share._path("block:abc", "identity").write_text("{not json")
-    assert plan_share.recall("block:abc", "identity") is None
+    for damaged in ("{not json", '{"uses": 3}', "[1, 2]"):
+        plan_share._path("block:abc", "identity").write_text(damaged)
+        assert plan_share.recall("block:abc", "identity") is None
