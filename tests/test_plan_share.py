@@ -90,10 +90,6 @@ def short_of_room(sizes) -> float:
     return SCRATCH_BYTES + working + others + 0.2 * block
 
 
-def matmul_flops(backward) -> int:
-    return offload.matmul_flops(backward)
-
-
 def share_note() -> str | None:
     return next((n for n in registry.REPORT.notes if "call sites take the plan" in n), None)
 
@@ -115,7 +111,7 @@ def test_the_last_blocks_take_a_plan_recomputing_less_in_what_is_left(monkeypatc
     share = calls.backend.sites.share
     (shared, _, shared_backward), (richer, _, richer_backward) = partitions
     assert richer.richer == share and richer.chosen == share.budget > shared.chosen
-    assert matmul_flops(richer_backward) < matmul_flops(shared_backward)
+    assert offload.matmul_flops(richer_backward) < offload.matmul_flops(shared_backward)
     # The share is reserved beside the plan all blocks take, and the step's plans still fit.
     assert book.reserved[shared.key] == LAYERS * (share.saved - share.extra) + k * share.extra
     assert sum(book.reserved.values()) <= capacity - book.working - SCRATCH_BYTES
