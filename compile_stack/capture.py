@@ -122,9 +122,9 @@ class PassBackend:
         # Inspecting: the backward's code is filed under this graph only if compiled now.
         backward_now = torch._functorch.config.patch(
             force_non_lazy_backward_lowering=self.backward_now or self.writer is not None)
-        partitioner = identity = None
-        key = f"{self.name}:{self._report_key(gm).stem}"
+        partitioner = key = identity = None
         if self.ledger is not None:
+            key = f"{self.name}:{self._report_key(gm).stem}"
             partitioner = BudgetedPartitioner(self.ledger, key, sites.count, richer=sites.share if richer else None)
             identity = partitioner.uuid()  # before the compile reserves, as Inductor's cache key has it
         compile_graph = functools.partial(compile_fx if self.codegen else self._compile_without_codegen,

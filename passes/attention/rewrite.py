@@ -10,6 +10,7 @@ from passes.attention.common import _shape, aten, prims
 from passes.graph_edit import (
     RESHAPE_OPS, erase_dead, fake_value, insert_call, inverse_permutation, memory_order, save_for_backward)
 
+
 def _is_dense_copy(node) -> bool:
     return node.target is aten.clone.default and node.kwargs.get("memory_format", torch.contiguous_format) in (
         torch.contiguous_format, torch.preserve_format)

@@ -11,14 +11,13 @@ from collections import defaultdict
 import torch
 from torch.fx import Node
 
-from passes.graph_edit import CAST_OPS, fake_value
+from passes.graph_edit import CAST_OPS, RESHAPE_OPS, fake_value
 
 aten = torch.ops.aten
 
 # Ops whose output holds their first input's values: always, or when the shape (and dtype) is the same.
 _COPIES = {aten.alias.default, aten.clone.default, aten.detach.default, aten.lift_fresh_copy.default}
-_RESHAPES = {aten.view.default, aten._unsafe_view.default, aten.reshape.default, aten.expand.default,
-             aten._reshape_alias.default}
+_RESHAPES = RESHAPE_OPS | {aten.expand.default, aten._reshape_alias.default}
 _MULS = {aten.mul.Tensor, aten.mul.Scalar}
 _DIVS = {aten.div.Tensor, aten.div.Scalar}
 ADDS = {aten.add.Tensor: 1.0, aten.sub.Tensor: -1.0}

@@ -204,7 +204,7 @@ def _broadcasts_over(table: torch.Tensor, form: Form, width: int) -> bool:
     """Whether ``table`` is ``width`` wide and constant over ``form``'s trailing dims before the last
     (heads split off a projection but not yet moved into the lead)."""
     extra = min(len(form.trailing) - 1, table.dim() - 1)
-    return table.dim() > 0 and table.shape[-1] == width and all(table.shape[-2 - i] == 1 for i in range(extra))
+    return table.shape[-1] == width and all(table.shape[-2 - i] == 1 for i in range(extra))
 
 
 def _mul(forms, node, val):
@@ -220,7 +220,7 @@ def _mul(forms, node, val):
     for x, table in ((a, b), (b, a)):
         form, t = forms.of(x), fake_value(table)
         if form is None or (form.terms[:, TABLE] != NO_TABLE).any() or not isinstance(t, torch.Tensor) \
-                or t.dim() > val.dim():
+                or not 0 < t.dim() <= val.dim():  # a 0-d factor (a scale, an lr) is no table
             continue
         shape, width = tuple(val.shape), val.shape[-1]
         if val.dtype.is_complex:  # the form's trailing pairs are its complex elements
