@@ -1,9 +1,10 @@
 """Time our FlashAttention against torch SDPA (flash and cuDNN backends) on one GPU.
 
-    python benchmarks/bench_attention.py [--shapes a,b] [--sweep]
+    python benchmarks/bench_attention.py [--shapes a,r,b] [--sweep]
 
-Shapes (causal, bf16): a = B2 H32 S32768 D128 (the 8B model), b = B1 H16 S16384 D64
-(the 2025 FlashAttention row; backward of o.sum()). For each: forward, backward and
+Shapes (causal, bf16): a = B2 H32 S32768 D128 (the 8B model), r = B1 H32 S32768 D128 (one
+rank's share of it on two GPUs), b = B1 H16 S16384 D64 (the 2025 FlashAttention row; backward
+of o.sum()). For each: forward, backward and
 forward+backward in ms and TFLOP/s (causal fwd FLOPs = 4*B*H*S^2*D/2, bwd = 2.5x, fwd+bwd
 = 3.5x), peak memory of fwd+bwd, the ratio ours/cuDNN, a relative-error check of ours
 against SDPA, and each of our forward and backward paths alone (the Triton kernels; on Hopper
@@ -29,7 +30,7 @@ from custom_ops import attention as A  # noqa: E402
 from custom_ops.attention import Tiles  # noqa: E402
 from benchmarks.results import append_result  # noqa: E402
 
-SHAPES = {"a": (2, 32, 32768, 128), "b": (1, 16, 16384, 64)}
+SHAPES = {"a": (2, 32, 32768, 128), "r": (1, 32, 32768, 128), "b": (1, 16, 16384, 64)}
 BACKENDS = {"flash": SDPBackend.FLASH_ATTENTION, "cudnn": SDPBackend.CUDNN_ATTENTION}
 
 # Candidates for --sweep: (block_m, block_n, num_warps, num_stages). For dkdv block_m is the query
@@ -143,9 +144,12 @@ def sweep(q, k, v, dout):
 
 def main():
     parser = argparse.ArgumentParser()
-    parser.add_argument("--shapes", default="a,b")
+    parser.add_argument("--shapes", default="a,b", help=f"comma-separated keys of {sorted(SHAPES)} (default: a,b)")
     parser.add_argument("--sweep", action="store_true")
     args = parser.parse_args()
+    unknown = [key for key in args.shapes.split(",") if key not in SHAPES]
+    if unknown:
+        parser.error(f"--shapes: expected keys of {sorted(SHAPES)}, got {unknown}")
     torch.manual_seed(0)
     report = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
               "shapes": {}}
