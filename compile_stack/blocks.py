@@ -250,8 +250,11 @@ class BlockCalls:
         self.blocks = blocks
         self.backend = backend
         self.tensor_names = [name for name, _ in self._named_tensors(blocks[0])]
-        self.compiled = torch.compile(_class_forward, backend=backend)
-        self.compiled_richer = torch.compile(_own_code(_class_forward), backend=backend.richer)
+        # Static shapes, as the segments': Dynamo's automatic-dynamic history is keyed by code
+        # location, so another model's blocks (other sizes, the same ``_class_forward``) would
+        # otherwise compile with symbolic sizes, which the RoPE pass leaves as written.
+        self.compiled = torch.compile(_own_code(_class_forward), backend=backend, dynamic=False)
+        self.compiled_richer = torch.compile(_own_code(_class_forward), backend=backend.richer, dynamic=False)
         self.key = id(self)
         _ROUTED[self.key] = self
         self.forwards = [self._forward(i) for i in range(len(blocks))]

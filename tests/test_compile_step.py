@@ -8,7 +8,7 @@ import torch.nn.functional as F
 
 import compile_stack
 import run_step
-from compile_stack import blocks
+from compile_stack import blocks, capture
 from compile_stack.budget import HOST_FRACTION
 from passes import registry
 from tests import user_models
@@ -44,6 +44,33 @@ def test_repeated_blocks_compile_once_whatever_the_depth():
         assert registry.REPORT.replacements["cross_entropy"] == 1
     # The embedding and the head with the loss; one block graph every layer calls.
     assert counts[2] == counts[8] == (2, 1)
+
+
+def test_a_second_models_blocks_compile_with_static_shapes(monkeypatch):
+    """Two models of other sizes compiled in one process: Dynamo's automatic-dynamic history is
+    keyed by code location, which every block compile shares, so the second model's blocks would
+    compile with symbolic sizes (which our passes leave alone) unless asked for static ones."""
+    symbolic = []
+    compile_graph = capture.PassBackend._compile
+
+    def recording(self, gm, example_inputs, *args, **kwargs):
+        if self.name == "block":
+            symbolic.append(any(isinstance(x, torch.SymInt) or isinstance(x, torch.Tensor)
+                                and any(isinstance(size, torch.SymInt) for size in x.shape) for x in example_inputs))
+        return compile_graph(self, gm, example_inputs, *args, **kwargs)
+
+    monkeypatch.setattr(capture.PassBackend, "_compile", recording)
+    torch._dynamo.reset()
+    for d_model, seq in ((32, 16), (64, 8)):  # a sequence length the weights do not pin down
+        registry.REPORT.clear()
+        torch.manual_seed(0)
+        model = gpt(2, d_model=d_model)
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        step = compile_stack.compile_step(make_train_step(model, mean_cross_entropy, optimizer), codegen=False)
+        for inputs, targets in batches(2, seq=seq):
+            step(inputs, targets)
+        assert registry.REPORT.replacements["attention"] == 2
+    assert symbolic == [False, False]
 
 
 def test_blocks_of_a_model_passed_as_an_argument_are_cut_from_the_graph():

@@ -25,15 +25,6 @@ LAYERS = 6
 STEPS = 3
 
 
-@pytest.fixture(autouse=True)
-def fresh_dynamo():
-    """Dynamo's state reset after each case too: its automatic-dynamic history is keyed by code
-    location, so the next test's blocks, through the same ``_class_forward``, would compile with
-    dynamic shapes."""
-    yield
-    torch._dynamo.reset()
-
-
 def gpt():
     torch.manual_seed(0)
     return user_models.build_gpt(vocab_size=VOCAB, context_length=16, d_model=32, num_layers=LAYERS, num_heads=2,
