@@ -96,6 +96,7 @@ class MemoryLedger:
         self.resident: int | None = None  # allocated at the step's start, once known
         self.future_state = future_state
         self.reserved: dict[str, int] = {}  # graph key -> bytes its saved activations take (all uses)
+        self.workings: dict[str, int] = {}  # graph key -> its working set
         self.working = 0  # the largest working set of any graph planned so far
 
     @classmethod
@@ -128,6 +129,7 @@ class MemoryLedger:
     def reserve(self, key: str, saved: int, working: int, host: int = 0) -> None:
         self.reserved[key] = saved
         self.host_reserved[key] = host
+        self.workings[key] = working
         self.working = max(self.working, working)
 
 

@@ -21,7 +21,6 @@ import contextlib
 import functools
 import hashlib
 import json
-import os
 import warnings
 from collections import Counter
 from pathlib import Path
@@ -34,7 +33,7 @@ from torch._inductor.compile_fx import compile_fx, graph_returns_tuple, make_gra
 from torch._inductor.decomposition import select_decomp_table
 from torch._inductor.runtime import cache_dir_utils
 
-from compile_stack import blocks, input_masks, inspection, plan_share, settings
+from compile_stack import blocks, input_masks, inspection, plan_records, plan_share, settings
 from compile_stack.budget import BudgetedPartitioner, MemoryLedger
 from passes import registry
 from passes.graph_edit import copy_module
@@ -65,8 +64,10 @@ class PassBackend:
         # counted that many times, and the last ``sites.richer`` of them may take a richer plan.
         self.sites = plan_share.CallSites(uses)
         # Graphs compiled for several call sites whose share is not settled yet (settle_shares):
-        # (graph name, ledger key, partitioner identity, partitioner, call sites).
-        self.unsettled: list[tuple[str, str, str, BudgetedPartitioner, plan_share.CallSites]] = []
+        # (graph name, ledger key, partitioner identity, partitioner, call sites, the record a graph
+        # served from the caches reserved).
+        self.unsettled: list[tuple[str, str, str, BudgetedPartitioner, plan_share.CallSites,
+                                   plan_records.PlanRecord | None]] = []
         self.memory_budget = memory_budget
         # Without a fixed budget, each graph's budget is chosen to fit this ledger (budget.py).
         self.ledger = ledger if memory_budget is None else None
@@ -144,8 +145,13 @@ class PassBackend:
         if richer:  # the first compile's passes and notes stand for both
             report.replacements, report.notes[:] = counts_before, report.notes[:notes_before]
         else:
-            if partitioner is not None and sites.count > 1:
-                self.unsettled.append((graph_name, key, identity, partitioner, sites))
+            if partitioner is not None:
+                record = None
+                if partitioner.chosen is None:  # served from the caches: what its partition reserved
+                    record = plan_records.recall(key, identity)
+                    if record is not None:
+                        self.ledger.reserve(key, record.saved, record.working, record.host)
+                self.unsettled.append((graph_name, key, identity, partitioner, sites, record))
             if partitioner is not None and partitioner.chosen is not None:
                 self._note_budget(graph_name, partitioner, sites.count)
             self._settle_report(gm, runs_before, counts_before, notes_before, sites.count)
@@ -165,15 +171,18 @@ class PassBackend:
 
     def settle_shares(self) -> None:
         """Give the graphs compiled since the last call their richer call sites (plan_share.py), in
-        what every graph's plan leaves over: call once the step's graphs have all been compiled
-        (after a call of it). A graph served from the caches takes the share the compile that
-        partitioned it chose."""
-        for graph_name, key, identity, partitioner, sites in self.unsettled:
+        what every graph's plan leaves over, and record each partition's outcome for the next
+        start (plan_records.py): call once the step's graphs have all been compiled (after a call
+        of it). A graph served from the caches takes the share the compile that partitioned it
+        chose."""
+        book = self.ledger
+        for graph_name, key, identity, partitioner, sites, record in self.unsettled:
             if partitioner.chosen is not None:
                 share = partitioner.settle_share()
-                plan_share.remember(key, identity, share)
+                plan_records.remember(key, identity, plan_records.PlanRecord(
+                    book.reserved[key], book.workings[key], book.host_reserved[key], share))
             else:
-                share = plan_share.recall(key, identity)
+                share = record.share if record is not None else None
             sites.share = share
             if share is not None:
                 registry.note("memory", f"the last {share.uses} of {graph_name}'s {sites.count} call sites take the "
@@ -283,16 +292,12 @@ def _digest(key: Path, payload: dict) -> str:
 def _read_record(key: Path) -> dict | None:
     """A graph's stored counts and notes; None if missing, unreadable, malformed or edited."""
     try:
-        data = json.loads(key.read_text())
+        data = settings.read_record(key)
         payload = {"counts": dict(data["counts"]), "notes": [str(n) for n in data["notes"]]}
         return payload if data["digest"] == _digest(key, payload) else None
-    except (OSError, ValueError, KeyError, TypeError):
+    except (ValueError, KeyError, TypeError):
         return None
 
 
 def _write_record(key: Path, payload: dict) -> None:
-    key.parent.mkdir(parents=True, exist_ok=True)
-    # Atomic: ranks of a distributed run share the cache directory.
-    partial = key.with_suffix(f".{os.getpid()}.tmp")
-    partial.write_text(json.dumps({**payload, "digest": _digest(key, payload)}))
-    os.replace(partial, key)
+    settings.write_record(key, {**payload, "digest": _digest(key, payload)})

@@ -9,10 +9,7 @@ the device's and the host's capacity and the plan's code. The next process
 with the same key starts pinning them on background threads as its first
 call begins, under Dynamo's tracing.
 """
-import contextlib
 import hashlib
-import json
-import os
 from pathlib import Path
 
 import torch
@@ -40,10 +37,8 @@ def step_key(args, models: list, device_capacity: float, host_capacity: int) -> 
 
 
 def _read() -> dict:
-    try:
-        return json.loads(_path().read_text())
-    except (OSError, ValueError):  # none yet, or damaged: only a head start is lost
-        return {}
+    table = settings.read_record(_path())
+    return table if isinstance(table, dict) else {}  # none yet, or damaged: only a head start is lost
 
 
 def pin_remembered(key: str) -> None:
@@ -61,12 +56,4 @@ def remember(key: str) -> None:
         return
     table = _read()
     table[key] = {str(n): c for n, c in needed.items()}
-    path = _path()
-    tmp = path.with_suffix(f".{os.getpid()}.tmp")
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp.write_text(json.dumps(table, indent=1))
-        tmp.replace(path)
-    except OSError:  # a cache that cannot be written: the next start pins as it goes
-        with contextlib.suppress(OSError):
-            tmp.unlink()
+    settings.write_record(_path(), table)  # where it cannot be written, the next start pins as it goes

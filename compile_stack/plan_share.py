@@ -16,20 +16,13 @@ The share is settled once every graph of the step has its plan (after the
 step's first call: a graph planned after the blocks must still fit), so from
 the second call on those call sites run a second compile of the graph with
 that plan (capture.py; blocks.py routes them). A warm start is served the
-shared plan from the compile caches without partitioning, so the share is
-written beside them, keyed by what decides it (the graph and the
-partitioner's identity), and read back there.
+shared plan from the compile caches without partitioning: the share is
+written beside them (plan_records.py) and read back there.
 """
-import contextlib
 import dataclasses
-import hashlib
-import json
-import os
 from collections.abc import Callable
-from pathlib import Path
 
 import torch.fx as fx
-from torch._inductor.runtime import cache_dir_utils
 
 from compile_stack import offload
 
@@ -135,32 +128,3 @@ def _fits(room: int, each: int) -> int:
     if each <= 0:
         return 2**62
     return max(room, 0) // each
-
-
-def _path(key: str, identity: str) -> Path:
-    digest = hashlib.sha256(f"{key}\n{identity}".encode()).hexdigest()[:32]
-    return Path(cache_dir_utils.cache_dir()) / "cstack_plan_shares" / f"{digest}.json"
-
-
-def remember(key: str, identity: str, share: Share | None) -> None:
-    """Write the share a graph's compile chose (none too), atomically; nothing where the cache
-    cannot be written (the next start then runs every call site on the shared plan)."""
-    path = _path(key, identity)
-    tmp = path.with_suffix(f".{os.getpid()}.tmp")
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp.write_text(json.dumps(None if share is None else dataclasses.asdict(share)))
-        os.replace(tmp, path)
-    except OSError:
-        with contextlib.suppress(OSError):
-            tmp.unlink()
-
-
-def recall(key: str, identity: str) -> Share | None:
-    """The share remembered for the graph ``key`` compiled by a partitioner of ``identity``; None
-    if none was, or the record is unreadable."""
-    try:
-        data = json.loads(_path(key, identity).read_text())
-        return None if data is None else Share(**{**data, "moved": tuple(data["moved"])})
-    except (OSError, ValueError, TypeError, KeyError):
-        return None

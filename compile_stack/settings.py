@@ -16,6 +16,7 @@
   lower values recompute more.
 """
 import contextlib
+import json
 import os
 import shutil
 import tempfile
@@ -74,6 +75,27 @@ def use_cache_dir(path: Path | None = None, fresh: bool = False) -> Path:
     os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(path / "inductor")
     os.environ["TRITON_CACHE_DIR"] = str(path / "triton")
     return path
+
+
+def write_record(path: Path, data) -> None:
+    """``data`` as JSON at ``path`` beside the caches, atomically (ranks of a distributed run share
+    the directory); nothing where it cannot be written: a record only spares a later start work."""
+    tmp = path.with_suffix(f".{os.getpid()}.tmp")
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp.write_text(json.dumps(data))
+        os.replace(tmp, path)
+    except OSError:
+        with contextlib.suppress(OSError):
+            tmp.unlink()
+
+
+def read_record(path: Path):
+    """The JSON a ``write_record`` left at ``path``; None if there is none or it does not parse."""
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
 
 
 def inductor_options(on_gpu: bool = False) -> dict:

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 import compile_stack
-from compile_stack import budget, offload, plan_share, user_step
+from compile_stack import budget, offload, plan_records, plan_share, user_step
 from compile_stack.budget import SCRATCH_BYTES, MemoryLedger
 from passes import registry
 from tests import user_models
@@ -31,7 +31,12 @@ def gpt():
                                  d_ff=48)
 
 
-def train(monkeypatch, capacity: float, by_argument: bool = False, codegen: bool = False, cache_dir=None):
+def halved_loss(logits, targets):
+    return 0.5 * mean_cross_entropy(logits, targets)
+
+
+def train(monkeypatch, capacity: float, by_argument: bool = False, codegen: bool = False, cache_dir=None,
+          loss=mean_cross_entropy):
     """Three steps of the GPT compiled with a ledger of ``capacity`` bytes; (the compiled step, the
     ledger, the block graph's partitions as (partitioner, forward, backward)). Checks the parameters
     against the same steps run eagerly."""
@@ -61,9 +66,9 @@ def train(monkeypatch, capacity: float, by_argument: bool = False, codegen: bool
         eager = step_of(reference, eager_optimizer)
         args = (model,), (reference,)
     else:
-        step = compile_stack.compile_step(make_train_step(model, mean_cross_entropy, optimizer), codegen=codegen,
+        step = compile_stack.compile_step(make_train_step(model, loss, optimizer), codegen=codegen,
                                           cache_dir=cache_dir)
-        eager = make_train_step(reference, mean_cross_entropy, eager_optimizer)
+        eager = make_train_step(reference, loss, eager_optimizer)
         args = (), ()
     for inputs, targets in batches(STEPS):
         step(*args[0], inputs, targets)
@@ -130,21 +135,40 @@ def test_a_warm_start_partitions_nothing_and_routes_the_same_blocks(monkeypatch,
     """Inductor's code and caches (in ``tmp_path``): the second process's compiles are cache hits, and
     the share comes from beside the caches."""
     capacity = short_of_room(sizes)
-    cold, _, partitions = train(monkeypatch, capacity, codegen=True, cache_dir=tmp_path)
+    cold, cold_book, partitions = train(monkeypatch, capacity, codegen=True, cache_dir=tmp_path)
     k = cold.block_calls[0].backend.sites.richer
     assert k > 0 and len(partitions) == 2
     note = share_note()
     warm, book, partitions = train(monkeypatch, capacity, codegen=True, cache_dir=tmp_path)
     assert partitions == [] and warm.block_calls[0].backend.sites.richer == k
     assert share_note() == note
+    # The ledger holds what the cold start's partitions reserved, shares included.
+    assert book.reserved == cold_book.reserved and book.host_reserved == cold_book.host_reserved
+    assert book.working == cold_book.working
 
 
-def test_a_damaged_or_missing_record_gives_no_share(tmp_path, monkeypatch):
-    monkeypatch.setattr(plan_share.cache_dir_utils, "cache_dir", lambda: str(tmp_path))
+def test_a_graph_missing_from_the_caches_plans_beside_the_cached_ones(monkeypatch, sizes, tmp_path):
+    """An edited loss, the blocks unchanged: the blocks come from the caches and the head's new
+    graph is planned beside what their partition reserved (the record), not in an empty ledger."""
+    capacity = short_of_room(sizes)
+    _, cold_book, _ = train(monkeypatch, capacity, codegen=True, cache_dir=tmp_path)
+    block = next(k for k in cold_book.reserved if k.startswith("block:"))
+    warm, book, partitions = train(monkeypatch, capacity, codegen=True, cache_dir=tmp_path, loss=halved_loss)
+    assert partitions == []  # the blocks: from the caches
+    assert book.reserved[block] == cold_book.reserved[block]
+    heads = [k for k in book.reserved if not k.startswith("block:") and k not in cold_book.reserved]
+    assert heads, "the edited loss's graph was not partitioned anew"
+    assert sum(book.reserved.values()) <= capacity - book.working - SCRATCH_BYTES
+
+
+def test_a_damaged_or_missing_record_gives_none(tmp_path, monkeypatch):
+    monkeypatch.setattr(plan_records.cache_dir_utils, "cache_dir", lambda: str(tmp_path))
     share = plan_share.Share(uses=3, budget=0.65, moved=("mm_1",), saved=10, host=20, extra=5, extra_host=0)
-    plan_share.remember("block:abc", "identity", share)
-    assert plan_share.recall("block:abc", "identity") == share
-    assert plan_share.recall("block:abc", "another identity") is None
-    for damaged in ("{not json", '{"uses": 3}', "[1, 2]"):
-        plan_share._path("block:abc", "identity").write_text(damaged)
-        assert plan_share.recall("block:abc", "identity") is None
+    for record in (plan_records.PlanRecord(100, 7, 50, share), plan_records.PlanRecord(100, 7, 0, None)):
+        plan_records.remember("block:abc", "identity", record)
+        assert plan_records.recall("block:abc", "identity") == record
+    assert plan_records.recall("block:abc", "another identity") is None
+    bad_share = '{"saved": 1, "working": 2, "host": 3, "share": {"uses": 3}}'
+    for damaged in ("{not json", '{"saved": 3}', "[1, 2]", bad_share):
+        plan_records._path("block:abc", "identity").write_text(damaged)
+        assert plan_records.recall("block:abc", "identity") is None
