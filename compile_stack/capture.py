@@ -63,9 +63,9 @@ class PassBackend:
         # The call sites each graph serves (a block's graph: one per block); replacements are
         # counted that many times, and the last ``sites.richer`` of them may take a richer plan.
         self.sites = plan_share.CallSites(uses)
-        # Graphs compiled for several call sites whose share is not settled yet (settle_shares):
-        # (graph name, ledger key, partitioner identity, partitioner, call sites, the record a graph
-        # served from the caches reserved).
+        # Graphs compiled with a partitioner since the last settle_shares, whose share and record
+        # are still to settle: (graph name, ledger key, partitioner identity, partitioner, call
+        # sites, the record a graph served from the caches reserved).
         self.unsettled: list[tuple[str, str, str, BudgetedPartitioner, plan_share.CallSites,
                                    plan_records.PlanRecord | None]] = []
         self.memory_budget = memory_budget

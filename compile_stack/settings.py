@@ -14,6 +14,9 @@
 - ``activation_memory_budget`` (AOTAutograd's min-cut partitioner) is how the
   step trades memory for recomputation: 1.0 saves what the partitioner likes,
   lower values recompute more.
+- What the package records beside the caches for a later start (pass reports,
+  plan records, host buffers) is small JSON, written atomically
+  (``write_record``) and read as None when missing or damaged (``read_record``).
 """
 import contextlib
 import json

@@ -7,7 +7,9 @@ block takes the plan that fits and, once the step's graphs all have theirs, the
 last blocks take a plan that recomputes less in what is left over, from the
 second call on. Each case trains three steps and compares the parameters with
 eager's. A warm start (Inductor's code on the CPU, caches in a temporary
-directory) partitions nothing and routes the same blocks.
+directory) partitions nothing, routes the same blocks and holds the same
+ledger (compile_stack/plan_records.py); a graph missing from the caches is
+planned beside the cached ones.
 """
 import copy
 
@@ -153,7 +155,7 @@ def test_a_graph_missing_from_the_caches_plans_beside_the_cached_ones(monkeypatc
     capacity = short_of_room(sizes)
     _, cold_book, _ = train(monkeypatch, capacity, codegen=True, cache_dir=tmp_path)
     block = next(k for k in cold_book.reserved if k.startswith("block:"))
-    warm, book, partitions = train(monkeypatch, capacity, codegen=True, cache_dir=tmp_path, loss=halved_loss)
+    _, book, partitions = train(monkeypatch, capacity, codegen=True, cache_dir=tmp_path, loss=halved_loss)
     assert partitions == []  # the blocks: from the caches
     assert book.reserved[block] == cold_book.reserved[block]
     heads = [k for k in book.reserved if not k.startswith("block:") and k not in cold_book.reserved]
