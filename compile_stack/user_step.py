@@ -354,7 +354,7 @@ class CompiledStep:
             for opt_step in self.optimizer_steps:
                 stack.enter_context(opt_step.routed())
             result = self.compiled(*args, **kwargs)
-        for backend in (self.backend, *(calls.backend for calls in self.block_calls)):
+        for backend in (self.backend, self.optimizer_backend, *(calls.backend for calls in self.block_calls)):
             backend.settle_shares()  # every graph of the step has its plan now
         if pinning is not None:
             host_pinning.remember(pinning)

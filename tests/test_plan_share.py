@@ -75,6 +75,8 @@ def train(monkeypatch, capacity: float, by_argument: bool = False, codegen: bool
     for inputs, targets in batches(STEPS):
         step(*args[0], inputs, targets)
         eager(*args[1], inputs, targets)
+    backends = [step.backend, step.optimizer_backend, *(calls.backend for calls in step.block_calls)]
+    assert all(b.unsettled == [] for b in backends)  # each call settles what it compiled, the optimizer's too
     tolerance = {"rtol": 1e-4, "atol": 1e-5} if codegen else {}
     for got, want in zip(model.parameters(), reference.parameters()):
         torch.testing.assert_close(got, want, **tolerance)
