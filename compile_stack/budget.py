@@ -204,15 +204,14 @@ class BudgetedPartitioner(CustomPartitionerFn):
                 if offloading is not None:
                     parts, best_budget, moved, on_gpu = offloading
                     best = parts, on_gpu
-        if self.richer is not None:  # not the graph the share was chosen for: a plan fitting what is left
-            offload.apply(*best[0], moved)
-            self.chosen = best_budget
-            return best[0]
-        if self.fits and self.uses > 1:
+        if self.richer is None and self.fits and self.uses > 1:
             others = [p for b, p in sorted(trials.items()) if b > best_budget]
             self.candidates = plan_share.Candidates.of(trials[best_budget], moved, others, working, user_outputs)
         offload.apply(*best[0], moved)
-        self.chosen, self.offloaded = best_budget, offload.value_bytes(moved) * self.uses
+        self.chosen = best_budget
+        if self.richer is not None:  # not the graph the share was chosen for: a plan fitting what is left
+            return best[0]
+        self.offloaded = offload.value_bytes(moved) * self.uses
         self.ledger.reserve(self.key, best[1], working + offload.value_bytes(moved), self.offloaded)
         return best[0]
 

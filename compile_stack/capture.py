@@ -147,13 +147,11 @@ class PassBackend:
         else:
             if partitioner is not None:
                 record = None
-                if partitioner.chosen is None:  # served from the caches: what its partition reserved
-                    record = plan_records.recall(key, identity)
-                    if record is not None:
-                        self.ledger.reserve(key, record.saved, record.working, record.host)
+                if partitioner.chosen is not None:
+                    self._note_budget(graph_name, partitioner, sites.count)
+                elif (record := plan_records.recall(key, identity)) is not None:  # served from the caches
+                    self.ledger.reserve(key, record.saved, record.working, record.host)
                 self.unsettled.append((graph_name, key, identity, partitioner, sites, record))
-            if partitioner is not None and partitioner.chosen is not None:
-                self._note_budget(graph_name, partitioner, sites.count)
             self._settle_report(gm, runs_before, counts_before, notes_before, sites.count)
         return input_masks.MaskGuard(compiled, captured, masks, graph_name) if masks else compiled
 
