@@ -44,7 +44,7 @@ import torch
 from torch._functorch.partitioners import min_cut_rematerialization_partition
 from torch._inductor.custom_graph_pass import CustomPartitionerFn
 
-from compile_stack import memory, offload, plan_share
+from compile_stack import memory, offload, plan_records, plan_share
 from compile_stack.settings import LEAST_BUDGET
 from passes.graph_edit import copy_module
 
@@ -70,8 +70,9 @@ def saved_bytes(backward: torch.fx.GraphModule, static_inputs: Iterable[int] = (
 
 
 def plan_code_hash() -> str:
-    """A hash of the code that decides a graph's memory plan (this file, offload.py, plan_share.py)."""
-    code = b"".join(Path(m.__file__).read_bytes() for m in (offload, plan_share))
+    """A hash of the code that decides a graph's memory plan (this file, offload.py, plan_share.py) and
+    of plan_records.py, whose records of a plan a warm start reads back under this identity."""
+    code = b"".join(Path(m.__file__).read_bytes() for m in (offload, plan_records, plan_share))
     return hashlib.sha256(Path(__file__).read_bytes() + code).hexdigest()
 
 

@@ -7,8 +7,10 @@ a plan that fits; too little keeps the least plan and warns. Every plan gives
 eager's gradients.
 """
 import gc
+import importlib
 import warnings
 import weakref
+from pathlib import Path
 
 import pytest
 import torch
@@ -137,3 +139,17 @@ def test_a_fixed_budget_wins_over_the_ledger():
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         assert PassBackend(memory_budget=0.5, ledger=ledger(1.0)).ledger is None
+
+
+@pytest.mark.parametrize("module", ["budget", "offload", "plan_share", "plan_records"])
+def test_the_plan_identity_changes_with_the_code_that_decides_or_records_plans(module, monkeypatch, tmp_path):
+    """An edit to any of these files gives cached graphs and their plan records a new identity
+    (their old entries are then missed, not misread)."""
+    from compile_stack import budget
+
+    target = importlib.import_module(f"compile_stack.{module}")
+    before = budget.plan_code_hash()
+    edited = tmp_path / f"{module}.py"
+    edited.write_bytes(Path(target.__file__).read_bytes() + b"\n# edited\n")
+    monkeypatch.setattr(target, "__file__", str(edited))  # for budget, the global plan_code_hash reads
+    assert budget.plan_code_hash() != before
