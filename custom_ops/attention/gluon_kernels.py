@@ -300,7 +300,8 @@ def _mask_after_diagonal(s, rows, start_n, start_m, IS_CAUSAL: gl.constexpr):
 
 @gluon.jit
 def _fwd_hopper_compute(GROUP: gl.constexpr, o_desc, q_smem, k_smem, v_smem, q_bar, ready, empty, turn, LSE, qk_scale,
-                        o_row, o_col, start_m, n_iter, IS_CAUSAL: gl.constexpr, PINGPONG: gl.constexpr):
+                        o_row, o_col, start_m, n_iter, IS_CAUSAL: gl.constexpr, PINGPONG: gl.constexpr,
+                        Q_REGS: gl.constexpr):
     """One compute warp group: online softmax over the key tiles for its 64 queries, then O
     through its (no longer needed) Q rows in shared memory and a TMA store."""
     STAGES: gl.constexpr = k_smem.type.shape[0]
@@ -315,9 +316,13 @@ def _fwd_hopper_compute(GROUP: gl.constexpr, o_desc, q_smem, k_smem, v_smem, q_b
     rows = start_m + GROUP * ROWS + gl.arange(0, ROWS, layout=gl.SliceLayout(1, L_S))
     acc = gl.zeros([ROWS, HEAD_D], gl.float32, L_O)
     mbarrier.wait(q_bar, 0)
+    q_op = q
+    if Q_REGS:
+        q_op = q.load(gl.DotOperandLayout(operand_index=0, parent=L_S, k_width=2))
     mbarrier.wait(ready.index(0), 0)
     # Tile 0 alone: S, then P; the loop then runs P·V of tile j-1 under the softmax of tile j.
-    s = warpgroup_mma(q, k_smem.index(0).permute((1, 0)), gl.zeros([ROWS, BLOCK_N], gl.float32, L_S), use_acc=False)
+    s = warpgroup_mma(q_op, k_smem.index(0).permute((1, 0)), gl.zeros([ROWS, BLOCK_N], gl.float32, L_S),
+                      use_acc=False)
     s = _mask_after_diagonal(s, rows, 0, start_m, IS_CAUSAL)
     # Scores stay unscaled; scale*log2(e) is folded into the exp2 argument.
     m_i = gl.max(s, 1) * qk_scale
@@ -330,7 +335,7 @@ def _fwd_hopper_compute(GROUP: gl.constexpr, o_desc, q_smem, k_smem, v_smem, q_b
         mbarrier.wait(ready.index(slot), (j // STAGES) & 1)
         if PINGPONG:
             mbarrier.wait(turn.index(GROUP), ((j - 1) & 1) ^ (1 - GROUP))
-        s_tok = warpgroup_mma(q, k_smem.index(slot).permute((1, 0)), gl.zeros([ROWS, BLOCK_N], gl.float32, L_S),
+        s_tok = warpgroup_mma(q_op, k_smem.index(slot).permute((1, 0)), gl.zeros([ROWS, BLOCK_N], gl.float32, L_S),
                               use_acc=False, is_async=True)
         acc = warpgroup_mma(p, v_smem.index(prev), acc, is_async=True)
         if PINGPONG:
@@ -359,7 +364,8 @@ def _fwd_hopper_compute(GROUP: gl.constexpr, o_desc, q_smem, k_smem, v_smem, q_b
 def _attn_fwd_hopper_kernel(q_desc, k_desc, v_desc, o_desc, LSE, qk_scale, SQ, SK,
                             IS_CAUSAL: gl.constexpr, HEAD_D: gl.constexpr, BLOCK_M: gl.constexpr,
                             BLOCK_N: gl.constexpr, STAGES: gl.constexpr, COMPUTE_REGS: gl.constexpr,
-                            V_SEQUENCE_MAJOR: gl.constexpr, PINGPONG: gl.constexpr = False):
+                            V_SEQUENCE_MAJOR: gl.constexpr, PINGPONG: gl.constexpr = False,
+                            Q_REGS: gl.constexpr = False):
     # q/k descriptors read [B·H·S, D]; v's and O's layout is V_SEQUENCE_MAJOR's (``_rows_desc``);
     # SQ and SK are whole tiles. Largest causal query tiles first.
     start_m = (gl.num_programs(0) - 1 - gl.program_id(0)) * BLOCK_M
@@ -386,9 +392,9 @@ def _attn_fwd_hopper_kernel(q_desc, k_desc, v_desc, o_desc, LSE, qk_scale, SQ, S
     lse = LSE + zh * SQ
     gl.warp_specialize([
         (_fwd_hopper_compute, (0, o_desc, q_smem, k_smem, v_smem, q_bar, ready, empty, turn, lse, qk_scale, o_row,
-                               o_col, start_m, n_iter, IS_CAUSAL, PINGPONG)),
+                               o_col, start_m, n_iter, IS_CAUSAL, PINGPONG, Q_REGS)),
         (_fwd_hopper_compute, (1, o_desc, q_smem, k_smem, v_smem, q_bar, ready, empty, turn, lse, qk_scale, o_row,
-                               o_col, start_m, n_iter, IS_CAUSAL, PINGPONG)),
+                               o_col, start_m, n_iter, IS_CAUSAL, PINGPONG, Q_REGS)),
         (_fwd_hopper_load, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, ready, empty, q_row, zh * SK,
                             v_row0, v_col, n_iter)),
     ], [4, 1], [COMPUTE_REGS, 24])
@@ -416,6 +422,7 @@ def hopper_kernels_accept(capability: tuple[int, int], head_dim: int, dtype: tor
 
 
 FWD_PINGPONG = False  # A/B trial
+FWD_Q_REGS = False  # A/B trial
 BWD_DV_EARLY = False  # A/B trial
 _GLUON_DTYPES = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16, torch.float32: gl.float32}
 
@@ -480,7 +487,7 @@ def hopper_fwd(q, k, v, is_causal: bool, scale: float):
         _rows_desc(q4, t.block_m), _rows_desc(k4, t.block_n), _rows_desc(v4, t.block_n),
         _rows_desc(out, t.block_m // 2), lse, scale * LOG2E, SQ, SK,
         IS_CAUSAL=is_causal, HEAD_D=D, BLOCK_M=t.block_m, BLOCK_N=t.block_n, STAGES=t.num_stages,
-        COMPUTE_REGS=HOPPER_FWD_COMPUTE_REGS, V_SEQUENCE_MAJOR=is_sequence_major(v4), PINGPONG=FWD_PINGPONG,
+        COMPUTE_REGS=HOPPER_FWD_COMPUTE_REGS, V_SEQUENCE_MAJOR=is_sequence_major(v4), PINGPONG=FWD_PINGPONG, Q_REGS=FWD_Q_REGS,
         num_warps=t.num_warps,
     )
     return out.view(q.shape), lse.view(q.shape[:-1])
