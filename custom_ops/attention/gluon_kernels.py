@@ -111,7 +111,7 @@ def _load_query_tile(q_desc, do_desc, q_smem, do_smem, ready, slot, row, pred):
 
 @gluon.jit
 def _bwd_query_tile(i, dk, dv, q_desc, do_desc, dq_desc, k_smem, v_smem, q_smem, do_smem, p_smem, ds_smem, dq_smem,
-                    dq_box, ready, STATS, qk_scale, scale, q_row0, lo, n_iter, offs_m, cols, masked, DV_EARLY: gl.constexpr):
+                    dq_box, ready, STATS, qk_scale, scale, q_row0, lo, n_iter, offs_m, cols, masked):
     """The backward's work on its ``i``-th query tile: S and dP, then P and dS into shared memory,
     dQ's TMA reduce-add, and dV, dK left in flight into the next tile (returned). ``masked``
     (a constexpr, or a bool the loop computes) applies the causal mask to P."""
@@ -146,23 +146,16 @@ def _bwd_query_tile(i, dk, dv, q_desc, do_desc, dq_desc, k_smem, v_smem, q_smem,
         rows = start_m + offs_m
         p = gl.where(gl.expand_dims(rows, 1) >= gl.expand_dims(cols, 0), p, 0.0)
     p_smem.store(p.to(dtype))
-    if DV_EARLY:
-        fence_async_shared()
-        gl.thread_barrier()
-        dv = warpgroup_mma(p_smem.permute((1, 0)), do, dv, is_async=True)
-        dp = warpgroup_mma_wait(1, deps=(dp_tok,))
-    else:
-        dp = warpgroup_mma_wait(0, deps=(dp_tok,))
+    dp = warpgroup_mma_wait(0, deps=(dp_tok,))
     ds = p * (dp - gl.expand_dims(delta, 1)) * scale
     ds_smem.store(ds.to(dtype))
     fence_async_shared()
     gl.thread_barrier()
     dq_tok = warpgroup_mma(ds_smem, k_smem, gl.zeros([BLOCK_M, HEAD_D], gl.float32, L_DQ), use_acc=False,
                            is_async=True)
-    if not DV_EARLY:
-        dv = warpgroup_mma(p_smem.permute((1, 0)), do, dv, is_async=True)
+    dv = warpgroup_mma(p_smem.permute((1, 0)), do, dv, is_async=True)
     dk = warpgroup_mma(ds_smem.permute((1, 0)), q, dk, is_async=True)
-    dq = warpgroup_mma_wait(1 if DV_EARLY else 2, deps=(dq_tok,))  # dK (and dV) stay in flight into the next tile
+    dq = warpgroup_mma_wait(2, deps=(dq_tok,))  # dV and dK stay in flight into the next tile
     tma.store_wait(0)  # the last tile's reduce has read dq_smem
     gl.thread_barrier()
     dq_smem.store(dq)
@@ -176,8 +169,7 @@ def _bwd_query_tile(i, dk, dv, q_desc, do_desc, dq_desc, k_smem, v_smem, q_smem,
 def _attn_bwd_hopper_kernel(q_desc, k_desc, v_desc, do_desc, dq_desc, DK, DV, STATS, qk_scale, scale, SQ, SK,
                             IS_CAUSAL: gl.constexpr, HEAD_D: gl.constexpr, BLOCK_M: gl.constexpr,
                             BLOCK_N: gl.constexpr, STAGES: gl.constexpr, PEEL_DIAGONAL: gl.constexpr,
-                            TMA_EPILOGUE: gl.constexpr, V_SEQUENCE_MAJOR: gl.constexpr, num_warps: gl.constexpr,
-                            DV_EARLY: gl.constexpr = False):
+                            TMA_EPILOGUE: gl.constexpr, V_SEQUENCE_MAJOR: gl.constexpr, num_warps: gl.constexpr):
     # q/dO descriptors read [B·H·SQ, D] and k [B·H·SK, D]; v's and DV's layout is V_SEQUENCE_MAJOR's;
     # dQ's descriptor, one query tile per box of its fp32 buffer (``_fragments_desc``); DK and DV:
     # descriptors if TMA_EPILOGUE, else pointers. SQ and SK are whole tiles.
@@ -227,12 +219,12 @@ def _attn_bwd_hopper_kernel(q_desc, k_desc, v_desc, do_desc, dq_desc, DK, DV, ST
             qk_scale, scale, q_row0, lo, n_iter, offs_m, cols)
     if PEEL_DIAGONAL:  # causal: the tiles reaching the diagonal, then an unmasked loop (configs.py says why)
         for i in range(BLOCK_N // BLOCK_M):
-            dk, dv = _bwd_query_tile(i, dk, dv, *args, True, DV_EARLY)
+            dk, dv = _bwd_query_tile(i, dk, dv, *args, True)
         for i in range(BLOCK_N // BLOCK_M, n_iter):
-            dk, dv = _bwd_query_tile(i, dk, dv, *args, False, DV_EARLY)
+            dk, dv = _bwd_query_tile(i, dk, dv, *args, False)
     else:
         for i in range(n_iter):
-            dk, dv = _bwd_query_tile(i, dk, dv, *args, IS_CAUSAL and lo + i * BLOCK_M < start_n + BLOCK_N, DV_EARLY)
+            dk, dv = _bwd_query_tile(i, dk, dv, *args, IS_CAUSAL and lo + i * BLOCK_M < start_n + BLOCK_N)
     dk, dv = warpgroup_mma_wait(0, deps=(dk, dv))
     tma.store_wait(0)
     mbarrier.invalidate(kv_bar)
@@ -299,9 +291,8 @@ def _mask_after_diagonal(s, rows, start_n, start_m, IS_CAUSAL: gl.constexpr):
 
 
 @gluon.jit
-def _fwd_hopper_compute(GROUP: gl.constexpr, o_desc, q_smem, k_smem, v_smem, q_bar, ready, empty, turn, LSE, qk_scale,
-                        o_row, o_col, start_m, n_iter, IS_CAUSAL: gl.constexpr, PINGPONG: gl.constexpr,
-                        Q_REGS: gl.constexpr):
+def _fwd_hopper_compute(GROUP: gl.constexpr, o_desc, q_smem, k_smem, v_smem, q_bar, ready, empty, LSE, qk_scale,
+                        o_row, o_col, start_m, n_iter, IS_CAUSAL: gl.constexpr):
     """One compute warp group: online softmax over the key tiles for its 64 queries, then O
     through its (no longer needed) Q rows in shared memory and a TMA store."""
     STAGES: gl.constexpr = k_smem.type.shape[0]
@@ -316,13 +307,9 @@ def _fwd_hopper_compute(GROUP: gl.constexpr, o_desc, q_smem, k_smem, v_smem, q_b
     rows = start_m + GROUP * ROWS + gl.arange(0, ROWS, layout=gl.SliceLayout(1, L_S))
     acc = gl.zeros([ROWS, HEAD_D], gl.float32, L_O)
     mbarrier.wait(q_bar, 0)
-    q_op = q
-    if Q_REGS:
-        q_op = q.load(gl.DotOperandLayout(operand_index=0, parent=L_S, k_width=2))
     mbarrier.wait(ready.index(0), 0)
     # Tile 0 alone: S, then P; the loop then runs P·V of tile j-1 under the softmax of tile j.
-    s = warpgroup_mma(q_op, k_smem.index(0).permute((1, 0)), gl.zeros([ROWS, BLOCK_N], gl.float32, L_S),
-                      use_acc=False)
+    s = warpgroup_mma(q, k_smem.index(0).permute((1, 0)), gl.zeros([ROWS, BLOCK_N], gl.float32, L_S), use_acc=False)
     s = _mask_after_diagonal(s, rows, 0, start_m, IS_CAUSAL)
     # Scores stay unscaled; scale*log2(e) is folded into the exp2 argument.
     m_i = gl.max(s, 1) * qk_scale
@@ -333,13 +320,9 @@ def _fwd_hopper_compute(GROUP: gl.constexpr, o_desc, q_smem, k_smem, v_smem, q_b
         slot = j % STAGES
         prev = (j - 1) % STAGES
         mbarrier.wait(ready.index(slot), (j // STAGES) & 1)
-        if PINGPONG:
-            mbarrier.wait(turn.index(GROUP), ((j - 1) & 1) ^ (1 - GROUP))
-        s_tok = warpgroup_mma(q_op, k_smem.index(slot).permute((1, 0)), gl.zeros([ROWS, BLOCK_N], gl.float32, L_S),
+        s_tok = warpgroup_mma(q, k_smem.index(slot).permute((1, 0)), gl.zeros([ROWS, BLOCK_N], gl.float32, L_S),
                               use_acc=False, is_async=True)
         acc = warpgroup_mma(p, v_smem.index(prev), acc, is_async=True)
-        if PINGPONG:
-            mbarrier.arrive(turn.index(1 - GROUP), count=1)
         s = _mask_after_diagonal(warpgroup_mma_wait(1, deps=(s_tok,)), rows, j * BLOCK_N, start_m, IS_CAUSAL)
         m_new = gl.maximum(m_i, gl.max(s, 1) * qk_scale)
         p_new = gl.exp2(s * qk_scale - gl.expand_dims(m_new, 1))
@@ -364,8 +347,7 @@ def _fwd_hopper_compute(GROUP: gl.constexpr, o_desc, q_smem, k_smem, v_smem, q_b
 def _attn_fwd_hopper_kernel(q_desc, k_desc, v_desc, o_desc, LSE, qk_scale, SQ, SK,
                             IS_CAUSAL: gl.constexpr, HEAD_D: gl.constexpr, BLOCK_M: gl.constexpr,
                             BLOCK_N: gl.constexpr, STAGES: gl.constexpr, COMPUTE_REGS: gl.constexpr,
-                            V_SEQUENCE_MAJOR: gl.constexpr, PINGPONG: gl.constexpr = False,
-                            Q_REGS: gl.constexpr = False):
+                            V_SEQUENCE_MAJOR: gl.constexpr):
     # q/k descriptors read [B·H·S, D]; v's and O's layout is V_SEQUENCE_MAJOR's (``_rows_desc``);
     # SQ and SK are whole tiles. Largest causal query tiles first.
     start_m = (gl.num_programs(0) - 1 - gl.program_id(0)) * BLOCK_M
@@ -378,12 +360,9 @@ def _attn_fwd_hopper_kernel(q_desc, k_desc, v_desc, o_desc, LSE, qk_scale, SQ, S
     ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     mbarrier.init(q_bar, count=1)
-    turn = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     for i in gl.static_range(STAGES):
         mbarrier.init(ready.index(i), count=1)
         mbarrier.init(empty.index(i), count=2)  # one arrival per compute group
-    for i in gl.static_range(2):
-        mbarrier.init(turn.index(i), count=1)
     n_iter = (start_m + BLOCK_M if IS_CAUSAL else SK) // BLOCK_N
     q_row = zh * SQ + start_m
     v_row0, v_col = _head_origin(z, h, SK, HEAD_D, V_SEQUENCE_MAJOR)
@@ -391,10 +370,10 @@ def _attn_fwd_hopper_kernel(q_desc, k_desc, v_desc, o_desc, LSE, qk_scale, SQ, S
     o_row += start_m
     lse = LSE + zh * SQ
     gl.warp_specialize([
-        (_fwd_hopper_compute, (0, o_desc, q_smem, k_smem, v_smem, q_bar, ready, empty, turn, lse, qk_scale, o_row,
-                               o_col, start_m, n_iter, IS_CAUSAL, PINGPONG, Q_REGS)),
-        (_fwd_hopper_compute, (1, o_desc, q_smem, k_smem, v_smem, q_bar, ready, empty, turn, lse, qk_scale, o_row,
-                               o_col, start_m, n_iter, IS_CAUSAL, PINGPONG, Q_REGS)),
+        (_fwd_hopper_compute, (0, o_desc, q_smem, k_smem, v_smem, q_bar, ready, empty, lse, qk_scale, o_row, o_col,
+                               start_m, n_iter, IS_CAUSAL)),
+        (_fwd_hopper_compute, (1, o_desc, q_smem, k_smem, v_smem, q_bar, ready, empty, lse, qk_scale, o_row, o_col,
+                               start_m, n_iter, IS_CAUSAL)),
         (_fwd_hopper_load, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, ready, empty, q_row, zh * SK,
                             v_row0, v_col, n_iter)),
     ], [4, 1], [COMPUTE_REGS, 24])
@@ -421,9 +400,6 @@ def hopper_kernels_accept(capability: tuple[int, int], head_dim: int, dtype: tor
     return sq % tile == 0 and sk % tile == 0
 
 
-FWD_PINGPONG = False  # A/B trial
-FWD_Q_REGS = False  # A/B trial
-BWD_DV_EARLY = False  # A/B trial
 _GLUON_DTYPES = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16, torch.float32: gl.float32}
 
 
@@ -487,8 +463,7 @@ def hopper_fwd(q, k, v, is_causal: bool, scale: float):
         _rows_desc(q4, t.block_m), _rows_desc(k4, t.block_n), _rows_desc(v4, t.block_n),
         _rows_desc(out, t.block_m // 2), lse, scale * LOG2E, SQ, SK,
         IS_CAUSAL=is_causal, HEAD_D=D, BLOCK_M=t.block_m, BLOCK_N=t.block_n, STAGES=t.num_stages,
-        COMPUTE_REGS=HOPPER_FWD_COMPUTE_REGS, V_SEQUENCE_MAJOR=is_sequence_major(v4), PINGPONG=FWD_PINGPONG, Q_REGS=FWD_Q_REGS,
-        num_warps=t.num_warps,
+        COMPUTE_REGS=HOPPER_FWD_COMPUTE_REGS, V_SEQUENCE_MAJOR=is_sequence_major(v4), num_warps=t.num_warps,
     )
     return out.view(q.shape), lse.view(q.shape[:-1])
 
@@ -514,7 +489,7 @@ def hopper_bwd(dout, q, k, v, out, lse, is_causal: bool, scale: float):
         scale * LOG2E, scale, SQ, SK,
         IS_CAUSAL=is_causal, HEAD_D=D, BLOCK_M=t.block_m, BLOCK_N=t.block_n, STAGES=t.num_stages,
         PEEL_DIAGONAL=is_causal and HOPPER_BWD_PEEL_DIAGONAL[D], TMA_EPILOGUE=HOPPER_BWD_TMA_EPILOGUE[D],
-        V_SEQUENCE_MAJOR=is_sequence_major(v4), DV_EARLY=BWD_DV_EARLY,
+        V_SEQUENCE_MAJOR=is_sequence_major(v4),
         num_warps=t.num_warps,
     )
     return dq_from_fragments(dq, q.dtype).view(q.shape), dk.view(k.shape), dv.view(v.shape)
