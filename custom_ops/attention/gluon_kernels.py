@@ -102,29 +102,6 @@ def _tma_reduce_add(tensor_desc, coord, src, _semantic=None):
 
 
 @gluon.jit
-def _exp2_poly(x):
-    """2^x on the FMA and ALU pipes, not the MUFU: x = n + f with n = round(x) found by adding 1.5·2^23 (no
-    conversion instruction: those share the MUFU's rate), a cubic for 2^f on [-1/2, 1/2] (relative error
-    7.5e-5), n added to its exponent bits."""
-    x = gl.maximum(x, -126.0)
-    shifted = x + 12582912.0
-    f = x - (shifted - 12582912.0)
-    p = ((0.05517146 * f + 0.24261076) * f + 0.69326098) * f + 0.9999281
-    n = shifted.to(gl.int32, bitcast=True) - 0x4B400000
-    return (p.to(gl.int32, bitcast=True) + (n << 23)).to(gl.float32, bitcast=True)
-
-
-@gluon.jit
-def _exp2_split(x):
-    """2^x, every other column on the FMA pipes (``_exp2_poly``), the rest on the MUFU."""
-    M: gl.constexpr = x.type.shape[0]
-    N: gl.constexpr = x.type.shape[1]
-    a, b = gl.split(gl.reshape(x, [M, N // 2, 2]))
-    y = gl.reshape(gl.join(gl.exp2(a), _exp2_poly(b)), [M, N])
-    return gl.convert_layout(y, x.type.layout)
-
-
-@gluon.jit
 def _load_query_tile(q_desc, do_desc, q_smem, do_smem, ready, slot, row, pred):
     """Start the TMA loads of Q's and dO's tile at ``row`` into ring slot ``slot`` (if ``pred``)."""
     mbarrier.expect(ready.index(slot), 2 * q_desc.block_type.nbytes, pred=pred)
@@ -134,8 +111,7 @@ def _load_query_tile(q_desc, do_desc, q_smem, do_smem, ready, slot, row, pred):
 
 @gluon.jit
 def _bwd_query_tile(i, dk, dv, q_desc, do_desc, dq_desc, k_smem, v_smem, q_smem, do_smem, p_smem, ds_smem, dq_smem,
-                    dq_box, ready, STATS, qk_scale, scale, q_row0, lo, n_iter, offs_m, cols, masked,
-                    EXP_SPLIT: gl.constexpr):
+                    dq_box, ready, STATS, qk_scale, scale, q_row0, lo, n_iter, offs_m, cols, masked):
     """The backward's work on its ``i``-th query tile: S and dP, then P and dS into shared memory,
     dQ's TMA reduce-add, and dV, dK left in flight into the next tile (returned). ``masked``
     (a constexpr, or a bool the loop computes) applies the causal mask to P."""
@@ -165,10 +141,7 @@ def _bwd_query_tile(i, dk, dv, q_desc, do_desc, dq_desc, k_smem, v_smem, q_smem,
     nxt = i + STAGES - 1
     _load_query_tile(q_desc, do_desc, q_smem, do_smem, ready, nxt % STAGES, q_row0 + lo + nxt * BLOCK_M,
                      nxt < n_iter)
-    if EXP_SPLIT:
-        p = _exp2_split(s * qk_scale - gl.expand_dims(lse2, 1))
-    else:
-        p = gl.exp2(s * qk_scale - gl.expand_dims(lse2, 1))
+    p = gl.exp2(s * qk_scale - gl.expand_dims(lse2, 1))
     if masked:
         rows = start_m + offs_m
         p = gl.where(gl.expand_dims(rows, 1) >= gl.expand_dims(cols, 0), p, 0.0)
@@ -196,8 +169,7 @@ def _bwd_query_tile(i, dk, dv, q_desc, do_desc, dq_desc, k_smem, v_smem, q_smem,
 def _attn_bwd_hopper_kernel(q_desc, k_desc, v_desc, do_desc, dq_desc, DK, DV, STATS, qk_scale, scale, SQ, SK,
                             IS_CAUSAL: gl.constexpr, HEAD_D: gl.constexpr, BLOCK_M: gl.constexpr,
                             BLOCK_N: gl.constexpr, STAGES: gl.constexpr, PEEL_DIAGONAL: gl.constexpr,
-                            TMA_EPILOGUE: gl.constexpr, V_SEQUENCE_MAJOR: gl.constexpr, num_warps: gl.constexpr,
-                            EXP_SPLIT: gl.constexpr = False):
+                            TMA_EPILOGUE: gl.constexpr, V_SEQUENCE_MAJOR: gl.constexpr, num_warps: gl.constexpr):
     # q/dO descriptors read [B·H·SQ, D] and k [B·H·SK, D]; v's and DV's layout is V_SEQUENCE_MAJOR's;
     # dQ's descriptor, one query tile per box of its fp32 buffer (``_fragments_desc``); DK and DV:
     # descriptors if TMA_EPILOGUE, else pointers. SQ and SK are whole tiles.
@@ -247,13 +219,12 @@ def _attn_bwd_hopper_kernel(q_desc, k_desc, v_desc, do_desc, dq_desc, DK, DV, ST
             qk_scale, scale, q_row0, lo, n_iter, offs_m, cols)
     if PEEL_DIAGONAL:  # causal: the tiles reaching the diagonal, then an unmasked loop (configs.py says why)
         for i in range(BLOCK_N // BLOCK_M):
-            dk, dv = _bwd_query_tile(i, dk, dv, *args, True, EXP_SPLIT)
+            dk, dv = _bwd_query_tile(i, dk, dv, *args, True)
         for i in range(BLOCK_N // BLOCK_M, n_iter):
-            dk, dv = _bwd_query_tile(i, dk, dv, *args, False, EXP_SPLIT)
+            dk, dv = _bwd_query_tile(i, dk, dv, *args, False)
     else:
         for i in range(n_iter):
-            dk, dv = _bwd_query_tile(i, dk, dv, *args, IS_CAUSAL and lo + i * BLOCK_M < start_n + BLOCK_N,
-                                         EXP_SPLIT)
+            dk, dv = _bwd_query_tile(i, dk, dv, *args, IS_CAUSAL and lo + i * BLOCK_M < start_n + BLOCK_N)
     dk, dv = warpgroup_mma_wait(0, deps=(dk, dv))
     tma.store_wait(0)
     mbarrier.invalidate(kv_bar)
@@ -429,7 +400,6 @@ def hopper_kernels_accept(capability: tuple[int, int], head_dim: int, dtype: tor
     return sq % tile == 0 and sk % tile == 0
 
 
-BWD_EXP_SPLIT = False  # A/B trial
 _GLUON_DTYPES = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16, torch.float32: gl.float32}
 
 
@@ -519,7 +489,7 @@ def hopper_bwd(dout, q, k, v, out, lse, is_causal: bool, scale: float):
         scale * LOG2E, scale, SQ, SK,
         IS_CAUSAL=is_causal, HEAD_D=D, BLOCK_M=t.block_m, BLOCK_N=t.block_n, STAGES=t.num_stages,
         PEEL_DIAGONAL=is_causal and HOPPER_BWD_PEEL_DIAGONAL[D], TMA_EPILOGUE=HOPPER_BWD_TMA_EPILOGUE[D],
-        V_SEQUENCE_MAJOR=is_sequence_major(v4), EXP_SPLIT=BWD_EXP_SPLIT,
+        V_SEQUENCE_MAJOR=is_sequence_major(v4),
         num_warps=t.num_warps,
     )
     return dq_from_fragments(dq, q.dtype).view(q.shape), dk.view(k.shape), dv.view(v.shape)
