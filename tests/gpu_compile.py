@@ -205,8 +205,7 @@ def hopper_sources():
                     "v_desc": _gluon_desc(bwd.block_n, dtype, d), "do_desc": _gluon_desc(bwd.block_m, dtype, d),
                     "dq_desc": mangle_type(gluon_kernels._fragments_desc(torch.empty(512, d))),
                     "DK": dkdv, "DV": dkdv,
-                    "STATS": "*fp32", "stats_desc": mangle_type(gluon_kernels._stats_desc(torch.empty(2, 2, 64))),
-                    "qk_scale": "fp32", "scale": "fp32", "SQ": "i32", "SK": "i32",
+                    "STATS": "*fp32", "qk_scale": "fp32", "scale": "fp32", "SQ": "i32", "SK": "i32",
                 }, {"PEEL_DIAGONAL": causal and configs.HOPPER_BWD_PEEL_DIAGONAL[d], "TMA_EPILOGUE": tma_epilogue,
                     "num_warps": bwd.num_warps}),
             }

@@ -166,82 +166,10 @@ def _bwd_query_tile(i, dk, dv, q_desc, do_desc, dq_desc, k_smem, v_smem, q_smem,
 
 
 @gluon.jit
-def _load_swapped_tile(q_desc, do_desc, stats_desc, q_smem, do_smem, stats_smem, ready, slot, row, pred):
-    """``_load_query_tile`` and the tile's row stats ([2, BLOCK_M] fp32) into the same ring slot."""
-    mbarrier.expect(ready.index(slot), 2 * q_desc.block_type.nbytes + stats_desc.block_type.nbytes, pred=pred)
-    tma.async_copy_global_to_shared(q_desc, [row, 0], ready.index(slot), q_smem.index(slot), pred=pred)
-    tma.async_copy_global_to_shared(do_desc, [row, 0], ready.index(slot), do_smem.index(slot), pred=pred)
-    tma.async_copy_global_to_shared(stats_desc, [row // q_smem.type.shape[1] * 2, 0], ready.index(slot),
-                                    stats_smem.index(slot), pred=pred)
-
-
-@gluon.jit
-def _bwd_query_tile_swapped(i, dk, dv, q_desc, do_desc, dq_desc, stats_desc, k_smem, v_smem, q_smem, do_smem,
-                            stats_smem, ds_smem, dq_smem, dq_box, ready, qk_scale, scale, q_row0, lo, n_iter, offs_q,
-                            keys, masked):
-    """As ``_bwd_query_tile`` with keys as rows (FA3's swapped layout): Sᵀ = K·Qᵀ and dPᵀ = V·dOᵀ,
-    so Pᵀ is the register operand of dV += Pᵀ·dO; only dSᵀ goes to shared memory, for dK += dSᵀ·Q
-    and dQ = dS·K."""
-    STAGES: gl.constexpr = q_smem.type.shape[0]
-    BLOCK_M: gl.constexpr = q_smem.type.shape[1]
-    HEAD_D: gl.constexpr = q_smem.type.shape[2]
-    BLOCK_N: gl.constexpr = k_smem.type.shape[0]
-    dtype: gl.constexpr = q_smem.dtype
-    L_ST: gl.constexpr = offs_q.type.layout.parent  # Sᵀ and dPᵀ: keys as rows
-    L_DQ: gl.constexpr = _dq_layout(HEAD_D, 2)
-    L_KV: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[L_ST.warps_per_cta[0], 1],
-                                                   instr_shape=[16, HEAD_D, 16])
-    OPERAND: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=L_KV, k_width=2)
-    stage = i % STAGES
-    mbarrier.wait(ready.index(stage), (i // STAGES) & 1)
-    q = q_smem.index(stage)
-    do = do_smem.index(stage)
-    start_m = lo + i * BLOCK_M
-    # This tile's lse·log2(e), then its delta, landed with Q and dO: per query, so per column here.
-    stats = stats_smem.index(stage)._reinterpret(gl.float32, [2 * BLOCK_M], gl.SwizzledSharedLayout(1, 1, 1, [0]))
-    st_tok = warpgroup_mma(k_smem, q.permute((1, 0)), gl.zeros([BLOCK_N, BLOCK_M], gl.float32, L_ST),
-                           use_acc=False, is_async=True)
-    dpt_tok = warpgroup_mma(v_smem, do.permute((1, 0)), gl.zeros([BLOCK_N, BLOCK_M], gl.float32, L_ST),
-                            use_acc=False, is_async=True)
-    # Waiting for Sᵀ retires the last tile's dQ and dK; after the barrier no warp group reads its Q/dO
-    # stage or dSᵀ any more.
-    st, dk = warpgroup_mma_wait(1, deps=(st_tok, dk))
-    gl.thread_barrier()
-    nxt = i + STAGES - 1
-    lse2 = stats.slice(0, BLOCK_M).load(offs_q.type.layout)
-    _load_swapped_tile(q_desc, do_desc, stats_desc, q_smem, do_smem, stats_smem, ready, nxt % STAGES,
-                       q_row0 + lo + nxt * BLOCK_M, nxt < n_iter)
-    pt = gl.exp2(st * qk_scale - gl.expand_dims(lse2, 0))
-    if masked:
-        pt = gl.where(gl.expand_dims(keys, 1) <= gl.expand_dims(start_m + offs_q, 0), pt, 0.0)
-    pt = pt.to(dtype)  # dS below uses P as rounded for dV: 32 registers fewer live
-    pt_op = gl.convert_layout(pt, OPERAND)
-    dv = warpgroup_mma(pt_op, do, dv, is_async=True)
-    delta = stats.slice(BLOCK_M, BLOCK_M).load(offs_q.type.layout)
-    dpt = warpgroup_mma_wait(1, deps=(dpt_tok,))  # dV stays in flight
-    dst = (pt.to(gl.float32) * (dpt - gl.expand_dims(delta, 0)) * scale).to(dtype)
-    ds_smem.store(dst)
-    fence_async_shared()
-    gl.thread_barrier()
-    dq_tok = warpgroup_mma(ds_smem.permute((1, 0)), k_smem, gl.zeros([BLOCK_M, HEAD_D], gl.float32, L_DQ),
-                           use_acc=False, is_async=True)
-    dk = warpgroup_mma(ds_smem, q, dk, is_async=True)
-    dq, pt_op = warpgroup_mma_wait(1, deps=(dq_tok, pt_op))  # dV done; dK stays in flight into the next tile
-    tma.store_wait(0)  # the last tile's reduce has read dq_smem
-    gl.thread_barrier()
-    dq_smem.store(dq)
-    fence_async_shared()
-    gl.thread_barrier()
-    _tma_reduce_add(dq_desc, [(q_row0 + start_m) // BLOCK_M * dq_box.shape[0], 0], dq_box)
-    return dk, dv
-
-
-@gluon.jit
-def _attn_bwd_hopper_kernel(q_desc, k_desc, v_desc, do_desc, dq_desc, DK, DV, STATS, stats_desc, qk_scale, scale, SQ, SK,
+def _attn_bwd_hopper_kernel(q_desc, k_desc, v_desc, do_desc, dq_desc, DK, DV, STATS, qk_scale, scale, SQ, SK,
                             IS_CAUSAL: gl.constexpr, HEAD_D: gl.constexpr, BLOCK_M: gl.constexpr,
                             BLOCK_N: gl.constexpr, STAGES: gl.constexpr, PEEL_DIAGONAL: gl.constexpr,
-                            TMA_EPILOGUE: gl.constexpr, V_SEQUENCE_MAJOR: gl.constexpr, num_warps: gl.constexpr,
-                            SWAPPED: gl.constexpr = False):
+                            TMA_EPILOGUE: gl.constexpr, V_SEQUENCE_MAJOR: gl.constexpr, num_warps: gl.constexpr):
     # q/dO descriptors read [B·H·SQ, D] and k [B·H·SK, D]; v's and DV's layout is V_SEQUENCE_MAJOR's;
     # dQ's descriptor, one query tile per box of its fp32 buffer (``_fragments_desc``); DK and DV:
     # descriptors if TMA_EPILOGUE, else pointers. SQ and SK are whole tiles.
@@ -262,14 +190,8 @@ def _attn_bwd_hopper_kernel(q_desc, k_desc, v_desc, do_desc, dq_desc, DK, DV, ST
     v_smem = gl.allocate_shared_memory(dtype, [BLOCK_N, HEAD_D], v_desc.layout)
     q_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, HEAD_D], q_desc.layout)
     do_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, HEAD_D], do_desc.layout)
-    if SWAPPED:
-        ds_smem = gl.allocate_shared_memory(dtype, [BLOCK_N, BLOCK_M],
-                                            gl.NVMMASharedLayout.get_default_for([BLOCK_N, BLOCK_M], dtype))
-        p_smem = ds_smem
-        stats_smem = gl.allocate_shared_memory(gl.float32, [STAGES, 2, BLOCK_M], stats_desc.layout)
-    else:
-        p_smem = gl.allocate_shared_memory(dtype, [BLOCK_M, BLOCK_N], PS_SHARED)
-        ds_smem = gl.allocate_shared_memory(dtype, [BLOCK_M, BLOCK_N], PS_SHARED)
+    p_smem = gl.allocate_shared_memory(dtype, [BLOCK_M, BLOCK_N], PS_SHARED)
+    ds_smem = gl.allocate_shared_memory(dtype, [BLOCK_M, BLOCK_N], PS_SHARED)
     dq_smem = gl.allocate_shared_memory(gl.float32, [BLOCK_M, HEAD_D], _dq_fragments(HEAD_D))
     dq_box = dq_smem._reinterpret(gl.float32, dq_desc.block_type.shape, dq_desc.layout)  # what the TMA reads
     kv_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
@@ -286,33 +208,16 @@ def _attn_bwd_hopper_kernel(q_desc, k_desc, v_desc, do_desc, dq_desc, DK, DV, ST
     lo = start_n if IS_CAUSAL else 0
     n_iter = (SQ - lo) // BLOCK_M
     for i in gl.static_range(STAGES - 1):  # Q and dO of the first tiles, in a STAGES-deep ring
-        if SWAPPED:
-            _load_swapped_tile(q_desc, do_desc, stats_desc, q_smem, do_smem, stats_smem, ready, i,
-                               q_row0 + lo + i * BLOCK_M, i < n_iter)
-        else:
-            _load_query_tile(q_desc, do_desc, q_smem, do_smem, ready, i, q_row0 + lo + i * BLOCK_M, i < n_iter)
+        _load_query_tile(q_desc, do_desc, q_smem, do_smem, ready, i, q_row0 + lo + i * BLOCK_M, i < n_iter)
 
     dk = warpgroup_mma_init(gl.zeros([BLOCK_N, HEAD_D], gl.float32, L_KV))
     dv = warpgroup_mma_init(gl.zeros([BLOCK_N, HEAD_D], gl.float32, L_KV))
     offs_m = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, L_S))
     cols = start_n + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, L_S))
     mbarrier.wait(kv_bar, 0)
-    if SWAPPED:
-        L_ST: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
-                                                       instr_shape=[16, BLOCK_M, 16])
-        offs_q = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, L_ST))
-        keys = start_n + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, L_ST))
-        sargs = (q_desc, do_desc, dq_desc, stats_desc, k_smem, v_smem, q_smem, do_smem, stats_smem, ds_smem, dq_smem,
-                 dq_box, ready, qk_scale, scale, q_row0, lo, n_iter, offs_q, keys)
-        for i in range(BLOCK_N // BLOCK_M):
-            dk, dv = _bwd_query_tile_swapped(i, dk, dv, *sargs, IS_CAUSAL)
-        for i in range(BLOCK_N // BLOCK_M, n_iter):
-            dk, dv = _bwd_query_tile_swapped(i, dk, dv, *sargs, False)
     args = (q_desc, do_desc, dq_desc, k_smem, v_smem, q_smem, do_smem, p_smem, ds_smem, dq_smem, dq_box, ready, STATS,
             qk_scale, scale, q_row0, lo, n_iter, offs_m, cols)
-    if SWAPPED:
-        pass
-    elif PEEL_DIAGONAL:  # causal: the tiles reaching the diagonal, then an unmasked loop (configs.py says why)
+    if PEEL_DIAGONAL:  # causal: the tiles reaching the diagonal, then an unmasked loop (configs.py says why)
         for i in range(BLOCK_N // BLOCK_M):
             dk, dv = _bwd_query_tile(i, dk, dv, *args, True)
         for i in range(BLOCK_N // BLOCK_M, n_iter):
@@ -495,7 +400,6 @@ def hopper_kernels_accept(capability: tuple[int, int], head_dim: int, dtype: tor
     return sq % tile == 0 and sk % tile == 0
 
 
-BWD_SWAPPED = False  # A/B trial
 _GLUON_DTYPES = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16, torch.float32: gl.float32}
 
 
@@ -505,13 +409,6 @@ def _rows_desc(t: torch.Tensor, rows: int) -> GluonTensorDescriptor:
     flat = t.transpose(1, 2).view(-1, t.shape[1] * t.shape[-1]) if is_sequence_major(t) else t.view(-1, t.shape[-1])
     layout = gl.NVMMASharedLayout.get_default_for([rows, t.shape[-1]], _GLUON_DTYPES[t.dtype])
     return GluonTensorDescriptor(flat, list(flat.shape), list(flat.stride()), [rows, t.shape[-1]], layout)
-
-
-def _stats_desc(stats: torch.Tensor) -> GluonTensorDescriptor:
-    """The row stats ([N, 2, HOPPER_BWD_ROWS] fp32) as [2·N, HOPPER_BWD_ROWS] rows, one query tile's two per box."""
-    flat = stats.view(-1, HOPPER_BWD_ROWS)
-    layout = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=2)
-    return GluonTensorDescriptor(flat, list(flat.shape), list(flat.stride()), [2, HOPPER_BWD_ROWS], layout)
 
 
 def _fragments_desc(acc: torch.Tensor) -> GluonTensorDescriptor:
@@ -589,10 +486,10 @@ def hopper_bwd(dout, q, k, v, out, lse, is_causal: bool, scale: float):
         _rows_desc(q4, t.block_m), _rows_desc(k4, t.block_n), _rows_desc(v4, t.block_n),
         _rows_desc(do4, t.block_m), _fragments_desc(dq),
         *((_rows_desc(dk, t.block_n), _rows_desc(dv, t.block_n)) if HOPPER_BWD_TMA_EPILOGUE[D] else (dk, dv)), stats,
-        _stats_desc(stats), scale * LOG2E, scale, SQ, SK,
+        scale * LOG2E, scale, SQ, SK,
         IS_CAUSAL=is_causal, HEAD_D=D, BLOCK_M=t.block_m, BLOCK_N=t.block_n, STAGES=t.num_stages,
         PEEL_DIAGONAL=is_causal and HOPPER_BWD_PEEL_DIAGONAL[D], TMA_EPILOGUE=HOPPER_BWD_TMA_EPILOGUE[D],
-        V_SEQUENCE_MAJOR=is_sequence_major(v4), SWAPPED=BWD_SWAPPED,
+        V_SEQUENCE_MAJOR=is_sequence_major(v4),
         num_warps=t.num_warps,
     )
     return dq_from_fragments(dq, q.dtype).view(q.shape), dk.view(k.shape), dv.view(v.shape)
