@@ -27,9 +27,11 @@ reduce-add). Two data layouts decide much of its speed:
 
 Forward: FA3's layout: one program per 128 queries, warp-specialized into a load warp and two
 compute warp groups of 64 queries each, 128-key K/V tiles in a 3-deep shared-memory ring. A
-group issues its QKᵀ of tile j before its P·V of tile j-1 (P the register operand), so the
-softmax of tile j runs while P·V of tile j-1 is on the tensor cores; the groups sync with the
-load warp through mbarriers only, never with each other.
+group issues its QKᵀ of tile j and its P·V of tile j-1 together (P the register operand). ptxas
+writes tile j's P into the registers P·V reads, so it waits for P·V before the softmax: one
+group's softmax runs under the other group's matmuls, not under its own (a wait placed after
+the softmax ran no faster, BENCHMARKS.md). The groups sync with the load warp through mbarriers
+only, never with each other.
 """
 import math
 
@@ -110,11 +112,19 @@ def _load_query_tile(q_desc, do_desc, q_smem, do_smem, ready, slot, row, pred):
 
 
 @gluon.jit
-def _bwd_query_tile(i, dk, dv, q_desc, do_desc, dq_desc, k_smem, v_smem, q_smem, do_smem, p_smem, ds_smem, dq_smem,
-                    dq_box, ready, STATS, qk_scale, scale, q_row0, lo, n_iter, offs_m, cols, masked):
+def _load_row_stats(STATS, row, offs_m):
+    """The row stats of the query tile starting at ``row`` (of all heads' rows): (lse·log2(e), delta)."""
+    stats = STATS + row * 2  # the tile's lse·log2(e), then its delta
+    return gl.load(stats + offs_m), gl.load(stats + offs_m.type.shape[0] + offs_m)
+
+
+@gluon.jit
+def _bwd_query_tile(i, dk, dv, stats, q_desc, do_desc, dq_desc, k_smem, v_smem, q_smem, do_smem, p_smem, ds_smem,
+                    dq_smem, dq_box, ready, STATS, qk_scale, scale, q_row0, lo, n_iter, offs_m, cols, masked):
     """The backward's work on its ``i``-th query tile: S and dP, then P and dS into shared memory,
-    dQ's TMA reduce-add, and dV, dK left in flight into the next tile (returned). ``masked``
-    (a constexpr, or a bool the loop computes) applies the causal mask to P."""
+    dQ's TMA reduce-add, and dV, dK left in flight into the next tile. ``stats``: this tile's row
+    stats, loaded one tile ahead; ``masked`` (a constexpr, or a bool the loop computes) applies the
+    causal mask to P. Returns (dk, dv, the next tile's stats)."""
     STAGES: gl.constexpr = q_smem.type.shape[0]
     BLOCK_M: gl.constexpr = q_smem.type.shape[1]
     HEAD_D: gl.constexpr = q_smem.type.shape[2]
@@ -127,9 +137,8 @@ def _bwd_query_tile(i, dk, dv, q_desc, do_desc, dq_desc, k_smem, v_smem, q_smem,
     q = q_smem.index(stage)
     do = do_smem.index(stage)
     start_m = lo + i * BLOCK_M
-    stats = STATS + (q_row0 + start_m) * 2  # this tile's lse·log2(e), then its delta
-    lse2 = gl.load(stats + offs_m)
-    delta = gl.load(stats + BLOCK_M + offs_m)
+    lse2, delta = stats
+    stats_next = _load_row_stats(STATS, q_row0 + lo + gl.minimum(i + 1, n_iter - 1) * BLOCK_M, offs_m)
     s_tok = warpgroup_mma(q, k_smem.permute((1, 0)), gl.zeros([BLOCK_M, BLOCK_N], gl.float32, L_S),
                           use_acc=False, is_async=True)
     dp_tok = warpgroup_mma(do, v_smem.permute((1, 0)), gl.zeros([BLOCK_M, BLOCK_N], gl.float32, L_S),
@@ -162,7 +171,7 @@ def _bwd_query_tile(i, dk, dv, q_desc, do_desc, dq_desc, k_smem, v_smem, q_smem,
     fence_async_shared()
     gl.thread_barrier()
     _tma_reduce_add(dq_desc, [(q_row0 + start_m) // BLOCK_M * dq_box.shape[0], 0], dq_box)
-    return dk, dv
+    return dk, dv, stats_next
 
 
 @gluon.jit
@@ -217,14 +226,17 @@ def _attn_bwd_hopper_kernel(q_desc, k_desc, v_desc, do_desc, dq_desc, DK, DV, ST
     mbarrier.wait(kv_bar, 0)
     args = (q_desc, do_desc, dq_desc, k_smem, v_smem, q_smem, do_smem, p_smem, ds_smem, dq_smem, dq_box, ready, STATS,
             qk_scale, scale, q_row0, lo, n_iter, offs_m, cols)
+    # Each tile's row stats are loaded one tile ahead, so their latency is not waited for
+    # (1.3% faster at one rank's shape, BENCHMARKS.md).
+    stats = _load_row_stats(STATS, q_row0 + lo, offs_m)
     if PEEL_DIAGONAL:  # causal: the tiles reaching the diagonal, then an unmasked loop (configs.py says why)
         for i in range(BLOCK_N // BLOCK_M):
-            dk, dv = _bwd_query_tile(i, dk, dv, *args, True)
+            dk, dv, stats = _bwd_query_tile(i, dk, dv, stats, *args, True)
         for i in range(BLOCK_N // BLOCK_M, n_iter):
-            dk, dv = _bwd_query_tile(i, dk, dv, *args, False)
+            dk, dv, stats = _bwd_query_tile(i, dk, dv, stats, *args, False)
     else:
         for i in range(n_iter):
-            dk, dv = _bwd_query_tile(i, dk, dv, *args, IS_CAUSAL and lo + i * BLOCK_M < start_n + BLOCK_N)
+            dk, dv, stats = _bwd_query_tile(i, dk, dv, stats, *args, IS_CAUSAL and lo + i * BLOCK_M < start_n + BLOCK_N)
     dk, dv = warpgroup_mma_wait(0, deps=(dk, dv))
     tma.store_wait(0)
     mbarrier.invalidate(kv_bar)
@@ -308,7 +320,7 @@ def _fwd_hopper_compute(GROUP: gl.constexpr, o_desc, q_smem, k_smem, v_smem, q_b
     acc = gl.zeros([ROWS, HEAD_D], gl.float32, L_O)
     mbarrier.wait(q_bar, 0)
     mbarrier.wait(ready.index(0), 0)
-    # Tile 0 alone: S, then P; the loop then runs P·V of tile j-1 under the softmax of tile j.
+    # Tile 0 alone: S, then P; the loop then issues QKᵀ of tile j with P·V of tile j-1.
     s = warpgroup_mma(q, k_smem.index(0).permute((1, 0)), gl.zeros([ROWS, BLOCK_N], gl.float32, L_S), use_acc=False)
     s = _mask_after_diagonal(s, rows, 0, start_m, IS_CAUSAL)
     # Scores stay unscaled; scale*log2(e) is folded into the exp2 argument.
