@@ -186,7 +186,7 @@ def _gluon_desc(rows: int, dtype: torch.dtype, d: int) -> str:
 
 def hopper_sources():
     """(name, source, compile options) of the Gluon forward and backward for each head dim they take
-    (causal bf16 with v heads-major and sequence-major, non-causal fp16), and of the two Triton
+    (causal bf16 with v, and the backward's dO, heads-major and sequence-major, non-causal fp16), and of the two Triton
     kernels only their path runs: the row-stats delta and the dQ cast."""
     fwd = configs.HOPPER_FWD
     for d, bwd in configs.HOPPER_BWD.items():
@@ -207,7 +207,7 @@ def hopper_sources():
                     "DK": dkdv, "DV": dkdv,
                     "STATS": "*fp32", "qk_scale": "fp32", "scale": "fp32", "SQ": "i32", "SK": "i32",
                 }, {"PEEL_DIAGONAL": causal and configs.HOPPER_BWD_PEEL_DIAGONAL[d], "TMA_EPILOGUE": tma_epilogue,
-                    "num_warps": bwd.num_warps}),
+                    "DO_SEQUENCE_MAJOR": v_seq, "num_warps": bwd.num_warps}),
             }
             for name, (fn, t, sig, extra) in kernels.items():
                 constexprs = {"IS_CAUSAL": causal, "HEAD_D": d, "BLOCK_M": t.block_m, "BLOCK_N": t.block_n,

@@ -12,10 +12,10 @@ from custom_ops import attention as A
 
 # Register spill stores per thread the bf16 causal Gluon backward may have, v heads-major and
 # sequence-major: 4 since dK and dV go out through shared memory and TMA stores
-# (configs.HOPPER_BWD_TMA_EPILOGUE), which ran 1.9% faster; 12 with v read and dV written in place,
-# which ran as fast as with v dense (paired runs, BENCHMARKS.md), since the row stats are loaded one
-# tile ahead (16 before).
-HOPPER_BWD_SPILL_BYTES = {"hopper_bwd bfloat16": 4, "hopper_bwd bfloat16 v sequence-major": 12}
+# (configs.HOPPER_BWD_TMA_EPILOGUE), which ran 1.9% faster; 8 with v and dO read and dV written in
+# place, which ran as fast as with v dense (paired runs, BENCHMARKS.md; 16 before the row stats
+# were loaded one tile ahead and dO read in place).
+HOPPER_BWD_SPILL_BYTES = {"hopper_bwd bfloat16": 4, "hopper_bwd bfloat16 v sequence-major": 8}
 # Per head dim the forward, dK/dV, dQ and delta kernels, then the cross-entropy row kernel and
 # AdamW, the Newton–Schulz kernels (three symmetric products, two GEMMs), the batched QR's (three
 # tile kernels, the streamed panel, two applies) and RoPE's (four pairings both ways, and HF's

@@ -1,9 +1,9 @@
 """The Gluon kernels for Hopper (sm_90) and their launchers: a warp-specialized forward
 (``hopper_fwd``) and a one-pass backward (``hopper_bwd``: five tile matmuls per tile pair where
 the two Triton kernels need seven). The CUDA ops run them on the inputs ``uses_hopper_kernels``
-accepts (16-bit, D = 64 or 128, whole 128-row tiles); BENCHMARKS.md has the figures. q, k and
-dO are read dense; v dense or sequence-major (``layouts``: heads split off a projection), in
-place, with out and dv written in v's layout.
+accepts (16-bit, D = 64 or 128, whole 128-row tiles); BENCHMARKS.md has the figures. q and k
+are read dense; v and dO dense or sequence-major (``layouts``: heads split off a projection, or
+the gradient of such an output), in place, with out and dv written in v's layout.
 
 Backward: the Triton backward recomputes S = QKᵀ and dP = dO·Vᵀ in both of its kernels: seven
 tile matmuls per (query tile, key tile). One pass needs five, but its dQ = dS·K must be summed
@@ -104,11 +104,13 @@ def _tma_reduce_add(tensor_desc, coord, src, _semantic=None):
 
 
 @gluon.jit
-def _load_query_tile(q_desc, do_desc, q_smem, do_smem, ready, slot, row, pred):
-    """Start the TMA loads of Q's and dO's tile at ``row`` into ring slot ``slot`` (if ``pred``)."""
+def _load_query_tile(q_desc, do_desc, q_smem, do_smem, ready, slot, row, pred, do_shift, do_col):
+    """Start the TMA loads of Q's tile at ``row`` and dO's at (``row + do_shift``, ``do_col``: dO's
+    layout may differ from Q's) into ring slot ``slot`` (if ``pred``)."""
     mbarrier.expect(ready.index(slot), 2 * q_desc.block_type.nbytes, pred=pred)
     tma.async_copy_global_to_shared(q_desc, [row, 0], ready.index(slot), q_smem.index(slot), pred=pred)
-    tma.async_copy_global_to_shared(do_desc, [row, 0], ready.index(slot), do_smem.index(slot), pred=pred)
+    tma.async_copy_global_to_shared(do_desc, [row + do_shift, do_col], ready.index(slot), do_smem.index(slot),
+                                    pred=pred)
 
 
 @gluon.jit
@@ -120,7 +122,8 @@ def _load_row_stats(STATS, row, offs_m):
 
 @gluon.jit
 def _bwd_query_tile(i, dk, dv, stats, q_desc, do_desc, dq_desc, k_smem, v_smem, q_smem, do_smem, p_smem, ds_smem,
-                    dq_smem, dq_box, ready, STATS, qk_scale, scale, q_row0, lo, n_iter, offs_m, cols, masked):
+                    dq_smem, dq_box, ready, STATS, qk_scale, scale, q_row0, do_shift, do_col, lo, n_iter, offs_m, cols,
+                    masked):
     """The backward's work on its ``i``-th query tile: S and dP, then P and dS into shared memory,
     dQ's TMA reduce-add, and dV, dK left in flight into the next tile. ``stats``: this tile's row
     stats, loaded one tile ahead; ``masked`` (a constexpr, or a bool the loop computes) applies the
@@ -149,7 +152,7 @@ def _bwd_query_tile(i, dk, dv, stats, q_desc, do_desc, dq_desc, k_smem, v_smem, 
     gl.thread_barrier()
     nxt = i + STAGES - 1
     _load_query_tile(q_desc, do_desc, q_smem, do_smem, ready, nxt % STAGES, q_row0 + lo + nxt * BLOCK_M,
-                     nxt < n_iter)
+                     nxt < n_iter, do_shift, do_col)
     p = gl.exp2(s * qk_scale - gl.expand_dims(lse2, 1))
     if masked:
         rows = start_m + offs_m
@@ -178,8 +181,10 @@ def _bwd_query_tile(i, dk, dv, stats, q_desc, do_desc, dq_desc, k_smem, v_smem, 
 def _attn_bwd_hopper_kernel(q_desc, k_desc, v_desc, do_desc, dq_desc, DK, DV, STATS, qk_scale, scale, SQ, SK,
                             IS_CAUSAL: gl.constexpr, HEAD_D: gl.constexpr, BLOCK_M: gl.constexpr,
                             BLOCK_N: gl.constexpr, STAGES: gl.constexpr, PEEL_DIAGONAL: gl.constexpr,
-                            TMA_EPILOGUE: gl.constexpr, V_SEQUENCE_MAJOR: gl.constexpr, num_warps: gl.constexpr):
-    # q/dO descriptors read [B·H·SQ, D] and k [B·H·SK, D]; v's and DV's layout is V_SEQUENCE_MAJOR's;
+                            TMA_EPILOGUE: gl.constexpr, V_SEQUENCE_MAJOR: gl.constexpr,
+                            DO_SEQUENCE_MAJOR: gl.constexpr, num_warps: gl.constexpr):
+    # q's descriptor reads [B·H·SQ, D] and k's [B·H·SK, D]; v's and DV's layout is V_SEQUENCE_MAJOR's,
+    # dO's DO_SEQUENCE_MAJOR's;
     # dQ's descriptor, one query tile per box of its fp32 buffer (``_fragments_desc``); DK and DV:
     # descriptors if TMA_EPILOGUE, else pointers. SQ and SK are whole tiles.
     start_n = gl.program_id(0) * BLOCK_N
@@ -212,12 +217,15 @@ def _attn_bwd_hopper_kernel(q_desc, k_desc, v_desc, do_desc, dq_desc, DK, DV, ST
     tma.async_copy_global_to_shared(k_desc, [zh * SK + start_n, 0], kv_bar, k_smem)
     v_row, v_col = _head_origin(z, h, SK, HEAD_D, V_SEQUENCE_MAJOR)
     tma.async_copy_global_to_shared(v_desc, [v_row + start_n, v_col], kv_bar, v_smem)
+    do_row0, do_col = _head_origin(z, h, SQ, HEAD_D, DO_SEQUENCE_MAJOR)
+    do_shift = do_row0 - q_row0
 
     # Causal: the first query tile that sees a key of this tile (BLOCK_N is a multiple of BLOCK_M).
     lo = start_n if IS_CAUSAL else 0
     n_iter = (SQ - lo) // BLOCK_M
     for i in gl.static_range(STAGES - 1):  # Q and dO of the first tiles, in a STAGES-deep ring
-        _load_query_tile(q_desc, do_desc, q_smem, do_smem, ready, i, q_row0 + lo + i * BLOCK_M, i < n_iter)
+        _load_query_tile(q_desc, do_desc, q_smem, do_smem, ready, i, q_row0 + lo + i * BLOCK_M, i < n_iter, do_shift,
+                         do_col)
 
     dk = warpgroup_mma_init(gl.zeros([BLOCK_N, HEAD_D], gl.float32, L_KV))
     dv = warpgroup_mma_init(gl.zeros([BLOCK_N, HEAD_D], gl.float32, L_KV))
@@ -225,7 +233,7 @@ def _attn_bwd_hopper_kernel(q_desc, k_desc, v_desc, do_desc, dq_desc, DK, DV, ST
     cols = start_n + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, L_S))
     mbarrier.wait(kv_bar, 0)
     args = (q_desc, do_desc, dq_desc, k_smem, v_smem, q_smem, do_smem, p_smem, ds_smem, dq_smem, dq_box, ready, STATS,
-            qk_scale, scale, q_row0, lo, n_iter, offs_m, cols)
+            qk_scale, scale, q_row0, do_shift, do_col, lo, n_iter, offs_m, cols)
     # Each tile's row stats are loaded one tile ahead, so their latency is not waited for
     # (1.3% faster at one rank's shape, BENCHMARKS.md).
     stats = _load_row_stats(STATS, q_row0 + lo, offs_m)
@@ -453,11 +461,11 @@ def dq_from_fragments(acc: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 
 
 
-def _in_place_or_dense(v: torch.Tensor) -> torch.Tensor:
-    """v as 4-d: read in place if sequence-major (the kernels take either layout for v, and lay
-    out and dv out like it), else copied dense. q, k and dO are always copied dense."""
-    v4 = _as_4d(v)
-    return v4 if is_sequence_major(v4) else v4.contiguous()
+def _in_place_or_dense(t: torch.Tensor) -> torch.Tensor:
+    """v or dO as 4-d: read in place if sequence-major (the kernels take either layout for them,
+    and lay out and dv out like v), else copied dense. q and k are always copied dense."""
+    t4 = _as_4d(t)
+    return t4 if is_sequence_major(t4) else t4.contiguous()
 
 
 def hopper_fwd(q, k, v, is_causal: bool, scale: float):
@@ -485,8 +493,8 @@ def hopper_bwd(dout, q, k, v, out, lse, is_causal: bool, scale: float):
     dQ is summed in fp32 (Sq·D·4 bytes per head, tiles in fragment order), then cast."""
     if _no_heads(q):
         return _empty_bwd(q, k, v)
-    q4, k4, do4 = (_as_4d(t).contiguous() for t in (q, k, dout))
-    v4 = _in_place_or_dense(v)
+    q4, k4 = (_as_4d(t).contiguous() for t in (q, k))
+    v4, do4 = _in_place_or_dense(v), _in_place_or_dense(dout)
     Z, H, SQ, D = q4.shape
     SK = k4.shape[2]
     t = HOPPER_BWD[D]
@@ -501,7 +509,7 @@ def hopper_bwd(dout, q, k, v, out, lse, is_causal: bool, scale: float):
         scale * LOG2E, scale, SQ, SK,
         IS_CAUSAL=is_causal, HEAD_D=D, BLOCK_M=t.block_m, BLOCK_N=t.block_n, STAGES=t.num_stages,
         PEEL_DIAGONAL=is_causal and HOPPER_BWD_PEEL_DIAGONAL[D], TMA_EPILOGUE=HOPPER_BWD_TMA_EPILOGUE[D],
-        V_SEQUENCE_MAJOR=is_sequence_major(v4),
+        V_SEQUENCE_MAJOR=is_sequence_major(v4), DO_SEQUENCE_MAJOR=is_sequence_major(do4),
         num_warps=t.num_warps,
     )
     return dq_from_fragments(dq, q.dtype).view(q.shape), dk.view(k.shape), dv.view(v.shape)
