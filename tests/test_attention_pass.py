@@ -278,22 +278,25 @@ def _noting_layouts(impl, seen: list):
 
 @pytest.mark.parametrize("batch", [1, 2])
 def test_op_inputs_dense(batch, monkeypatch):
-    """With one sequence, q, k, v and the output grad reach the bmms as strided views of the
-    projection; the pass copies them dense in the graph, the backward reads the forward's copies
-    of q, k, v (placeholders of its graph), and Inductor hands the ops exactly these layouts."""
+    """With one sequence, q, k and v reach the bmms as strided views of the fused projection; the
+    pass copies them dense in the graph, the backward reads the forward's copies of q, k, v
+    (placeholders of its graph), and Inductor hands the ops exactly these layouts. The output
+    grad, the merged heads' gradient, is sequence-major and read in place; with two sequences the
+    bmm's reshape has copied it dense already."""
     seen = []
     for name in ("torch_fwd", "torch_bwd"):
         monkeypatch.setattr(custom_ops.attention, name, _noting_layouts(getattr(custom_ops.attention, name), seen))
     model, x = Model(causal_attention, layers=1), _input(torch.float32, b=batch)
     eager, compiled = _run(model, x, codegen=True)  # may be a compile-cache hit: no graphs seen
-    assert seen == [[True] * 3, [True] * 6]  # at run time: forward (q, k, v), backward (dO … lse)
+    assert seen == [[True] * 3, [batch == 2] + [True] * 5]  # at run time: forward (q, k, v), backward (dO … lse)
     _close(eager, compiled, 1e-4)
     _run(model, x)
     fwd_graph, bwd_graph = GRAPHS
     (fwd,) = [n for n in fwd_graph.nodes if n.target is torch.ops.cstack.flash_attention_fwd.default]
     (bwd,) = [n for n in bwd_graph.nodes if n.target is torch.ops.cstack.flash_attention_bwd.default]
-    for arg in (*fwd.args[:3], *bwd.args[:6]):
+    for arg in (*fwd.args[:3], *bwd.args[1:6]):
         assert arg.meta["val"].is_contiguous(), (arg, arg.meta["val"].stride())
+    assert custom_ops.attention.is_sequence_major(bwd.args[0].meta["val"]) == (batch == 1)
     assert all(arg.op == "placeholder" for arg in bwd.args[1:6])
     copied = [a.target is torch.ops.aten.clone.default for a in fwd.args[:3]]
     # Two sequences: the bmms' reshapes already copied q and v; k is the transpose of kᵀ's copy.
@@ -480,9 +483,9 @@ def _down(node):
 @pytest.mark.parametrize("batch", [1, 2])
 def test_split_heads_read_and_merged_in_place(attn, merge, batch, monkeypatch):
     """v reaches the op as the projection's own sequence-major view, the op's output reaches the
-    output projection, and dv the v projection's backward, without a dense copy on the way
-    (before: one each, 0.26-0.29 ms apiece at the 8B step's size); the op sees those layouts at
-    run time, and loss and grads equal eager's."""
+    output projection, dv the v projection's backward, and the output's gradient the backward op,
+    without a dense copy on the way (before: one each, 0.26-0.29 ms apiece at the 8B step's size);
+    the op sees those layouts at run time, and loss and grads equal eager's."""
     seen = []
     for name in ("torch_fwd", "torch_bwd"):
         impl = getattr(custom_ops.attention, name)
@@ -491,7 +494,7 @@ def test_split_heads_read_and_merged_in_place(attn, merge, batch, monkeypatch):
                                                                for t in a if isinstance(t, torch.Tensor)]) or impl(*a))
     model, x = SplitHeads(attn, merge), _input(torch.float32, b=batch)
     eager, compiled = _run(model, x, codegen=True)
-    assert seen == [[False, False, True], [False, False, False, True, True, False]]  # (q, k, v), (dO, q, k, v, out, lse)
+    assert seen == [[False, False, True], [True, False, False, True, True, False]]  # (q, k, v), (dO, q, k, v, out, lse)
     _close(eager, compiled, 1e-4)
     _run(model, x)
     assert REPORT.replacements["attention"] == 1
@@ -503,6 +506,7 @@ def test_split_heads_read_and_merged_in_place(attn, merge, batch, monkeypatch):
     assert _path_copies(fwd.args[2], _up) == []
     assert _path_copies(_down(out), _down) == []
     assert _path_copies(_down(dv), _down) == []
+    assert _path_copies(bwd.args[0], _up) == []
 
 
 def test_merge_after_other_ops_keeps_a_copy():

@@ -70,9 +70,9 @@ def _replace(graph, old, new) -> list:
 
 def _dense(graph, node, keep_sequence_major=False):
     """``node``, copied to a contiguous tensor in the graph if it is a strided view (unless
-    ``keep_sequence_major`` and it is one: the kernels read v in place in that layout). q, k and the
-    output grad are [S, H·D] matmul outputs seen head-major when a rank holds one sequence, and
-    the Hopper kernels read dense [S, D] rows of them. Left to the op, the copy was aten's strided
+    ``keep_sequence_major`` and it is one: the kernels read v and the output grad in place in that
+    layout). q and k are [S, H·D] matmul outputs seen head-major when a rank holds one sequence,
+    and the Hopper kernels read dense [S, D] rows of them. Left to the op, the copy was aten's strided
     copy (2.4× slower than Inductor's on the H200, BENCHMARKS.md), in the forward and again in the
     backward; here Inductor generates it, and the partitioner saves or recomputes it as it does
     the rest."""
@@ -101,7 +101,8 @@ def _flash(graph, q, k, v, causal, scale, grad, where_fwd, where_bwd):
     """Insert our forward (and backward when `grad` is given); returns out, (dq, dk, dv) nodes.
     v is passed as it is if sequence-major, or as the sequence-major [B, H, S, D] tensor its
     [B·H, S, D] copy was made from (q, k and the grad then viewed 4-d alike): the op reads it in
-    place and lays out and dv out like it, so merging heads needs no copy (``_replace``). dq and dk
+    place and lays out and dv out like it, so merging heads needs no copy (``_replace``). The grad
+    is passed the same way (sequence-major when heads were merged after attention). dq and dk
     come back in q's and k's shapes."""
     split = _split_heads_source(v)
     with graph.inserting_before(where_fwd):
@@ -118,9 +119,13 @@ def _flash(graph, q, k, v, causal, scale, grad, where_fwd, where_bwd):
     if grad is None:
         return out, None
     with graph.inserting_before(where_bwd):
-        grad = _dense(graph, grad)
-        if split is not None:
-            grad = insert_call(graph, aten.view.default, (grad, list(_shape(q))))
+        grad_split = _split_heads_source(grad) if split is not None else None
+        if grad_split is not None:  # the output projection's gradient, read in place like v
+            grad = grad_split
+        else:
+            grad = _dense(graph, grad, keep_sequence_major=True)
+            if split is not None:
+                grad = insert_call(graph, aten.view.default, (grad, list(_shape(q))))
         bwd = insert_call(graph, torch.ops.cstack.flash_attention_bwd.default, (grad, q, k, v, out, lse, causal, scale))
         dq, dk, dv = (insert_call(graph, operator.getitem, (bwd, i)) for i in range(3))
         if split is not None:
