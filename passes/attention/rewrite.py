@@ -120,7 +120,7 @@ def _flash(graph, q, k, v, causal, scale, grad, where_fwd, where_bwd):
         return out, None
     with graph.inserting_before(where_bwd):
         grad_split = _split_heads_source(grad) if split is not None else None
-        if grad_split is not None:  # the output projection's gradient, read in place like v
+        if grad_split is not None and _shape(grad_split) == _shape(q):  # merged heads' gradient, in place like v
             grad = grad_split
         else:
             grad = _dense(graph, grad, keep_sequence_major=True)
