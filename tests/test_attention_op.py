@@ -183,7 +183,7 @@ INTERP_CASES = [  # b, h, sq, sk, d, causal, dtype, layout, three_d
 @pytest.mark.parametrize("b,h,sq,sk,d,causal,dtype,layout,three_d", INTERP_CASES)
 def test_triton_kernels_interpreted(scalar_loop_bounds, b, h, sq, sk, d, causal, dtype, layout, three_d):
     q, k, v = make_qkv(b, h, sq, sk, d, dtype, layout=layout, three_d=three_d)
-    dout = make(q.shape, dtype, "cpu", "contiguous")
+    dout = make(q.shape, dtype, "cpu", layout)  # transposed: the merged heads' gradient, read in place
     scale = 1 / math.sqrt(d)
     out, lse = A.triton_fwd(q, k, v, causal, scale)
     dq, dk, dv = A.triton_bwd(dout, q, k, v, out, lse, causal, scale)
