@@ -34,3 +34,19 @@ def scalar_loop_bounds(monkeypatch):
         scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.item()))
 
     monkeypatch.setattr(interpreter, "_patch_lang_tensor", patched)
+
+
+_compile_check = []  # tests/test_gpu_compile.py's module once its processes are started
+
+
+def pytest_collection_finish(session):
+    """Start the GPU compile check's processes now if its tests are selected (tests/test_gpu_compile.py)."""
+    for item in session.items:
+        if item.module.__name__.rpartition(".")[2] == "test_gpu_compile" and hasattr(item, "callspec"):
+            item.module.start_compile(item.callspec.params["arch"])
+            _compile_check[:] = [item.module]
+
+
+def pytest_sessionfinish(session):
+    for module in _compile_check:
+        module.stop_compiles()
