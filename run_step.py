@@ -17,13 +17,13 @@ from pathlib import Path
 import torch
 
 from compile_stack import settings
-from compile_stack.budget import HOST_FRACTION
 from compile_stack.config import PRESETS
 from compile_stack.harness.build import build_step, use_caches
 from compile_stack.harness.check import check_against_eager
 from compile_stack.harness.compare import compare_stock
 from compile_stack.harness.measure import measure
-from compile_stack.harness.options import OVERRIDES, HelpFormatter, check_args, passes_of
+from compile_stack.harness.options import (OVERRIDES, HelpFormatter, add_offload_option, check_args,
+                                           offload_label, passes_of)
 from compile_stack.harness.plan import plan_run
 from compile_stack.harness.profiling import profile_overlap, profile_rank
 from compile_stack.harness.report import is_rank0, pass_summary, print_summary, write_summary
@@ -60,10 +60,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--memory-budget", type=float,
                    help="activation memory budget in [0, 1] for the partitioner: lower saves less and recomputes "
                         "more (default on a GPU: for each graph, the largest whose plan fits the GPU's memory)")
-    p.add_argument("--offload-activations", nargs="?", const=True, default=False, type=float, metavar="SHARE",
-                   help="on one GPU: keep what a larger memory budget would save, beyond the GPU's room, in pinned "
-                        "host memory between forward and backward instead of recomputing it, within SHARE of the "
-                        f"host's memory (default {HOST_FRACTION})")
+    add_offload_option(p)
     p.add_argument("--check", action="store_true",
                    help="also run the eager reference step from the same weights and data and report relative errors")
     p.add_argument("--inspect", type=Path, metavar="DIR", help="write graphs before/after our passes and Inductor's code to DIR")
@@ -112,11 +109,8 @@ def record(s: dict, args) -> None:
     world = s.get("world_size", 1)
     over = ", ".join(f"{n} {getattr(args, n)}" for n in OVERRIDES if getattr(args, n) is not None)
     code = ", ".join(filter(None, (args.model, args.loss, args.optimizer))) or "reference model"
-    share = args.offload_activations
-    offload = ("" if share is False else ", activation offload" if share is True
-               else f", activation offload ({share:g} of host memory)")
     figure = (f"{s['preset']} step{f' ({over})' if over else ''}, {world} × {s['device_name']}"
-              f"{', FSDP2' if world > 1 else ''}, {code}{offload}")
+              f"{', FSDP2' if world > 1 else ''}, {code}{offload_label(args.offload_activations)}")
     ours = (f"{s['step_ms']:,.1f} ms, MFU {s['mfu']:.3f}, peak {s['peak_mem_gib']:.2f} GiB"
             f"{'/rank' if world > 1 else ''}, first step {s['compile_s']:.1f} s")
     c = s.get("compare")

@@ -3,12 +3,14 @@
     python benchmarks/leaderboard_harness.py                       # full config on the GPU, the reference model
     python benchmarks/leaderboard_harness.py --model mymodels:build --rep 3000 --warmup 1000
     python benchmarks/leaderboard_harness.py --no-compile          # the same code, uncompiled
+    python benchmarks/leaderboard_harness.py --offload-activations 0.88  # the added line with offload
 
 The train step is written exactly as the leaderboard times it: a closure over
 the model and optimizer, timed with ``triton.testing.do_bench(train_step,
 rep=30_000, warmup=10_000)`` (``--rep``/``--warmup`` shorten it). The one line
-this package adds is marked below. On a machine without a GPU do_bench cannot
-time, so the step is timed with the wall clock instead (said in the output).
+this package adds is marked below; ``--offload-activations`` passes that option
+in it. On a machine without a GPU do_bench cannot time, so the step is timed
+with the wall clock instead (said in the output).
 """
 import argparse
 import json
@@ -25,7 +27,7 @@ import compile_stack  # noqa: E402
 from compile_stack.config import PRESETS  # noqa: E402
 from compile_stack.reference import AdamW, build_model, cross_entropy  # noqa: E402
 from compile_stack.harness.user_code import build_user_model, load_object  # noqa: E402
-from compile_stack.harness.options import HelpFormatter  # noqa: E402
+from compile_stack.harness.options import HelpFormatter, add_offload_option, check_offload, offload_label  # noqa: E402
 from benchmarks.results import append_result  # noqa: E402
 
 
@@ -40,11 +42,15 @@ def parse_args(argv=None):
     p.add_argument("--rep", type=int, default=30_000, help="do_bench's rep, ms")
     p.add_argument("--warmup", type=int, default=10_000, help="do_bench's warmup, ms")
     p.add_argument("--no-compile", action="store_true", help="time the step as written, uncompiled")
+    add_offload_option(p)
     p.add_argument("--json", type=Path, metavar="FILE", help="write the figures to FILE")
     args = p.parse_args(argv)
     for name in ("rep", "warmup"):
         if getattr(args, name) < 1:
             p.error(f"--{name}: expected a positive number of milliseconds, got {getattr(args, name)}")
+    if args.offload_activations and args.no_compile:
+        p.error("--offload-activations: needs the compiled step (not --no-compile)")
+    check_offload(args, p)
     return args
 
 
@@ -83,8 +89,8 @@ def main(argv=None) -> dict:
         loss.backward()
         optimizer.step()
 
-    if not args.no_compile:
-        train_step = compile_stack.compile_step(train_step)  # the one added line
+    if not args.no_compile:  # the one added line:
+        train_step = compile_stack.compile_step(train_step, offload_activations=args.offload_activations)
     # ----------------------------------------------
 
     print(f"config {cfg}; model {args.model or 'reference'}; compiled {not args.no_compile}", flush=True)
@@ -103,6 +109,7 @@ def main(argv=None) -> dict:
         ms = wall_clock_bench(train_step, args.rep, args.warmup)
         timer = "wall clock (no GPU: do_bench needs CUDA), median"
     result = {"config": cfg.__dict__, "model": args.model or "reference", "compiled": not args.no_compile,
+              "offload_activations": args.offload_activations,
               "first_step_s": round(first_s, 2), "step_ms": round(ms, 2), "timer": timer,
               "peak_mem_gib": round(torch.cuda.max_memory_allocated() / 2**30, 2) if device.type == "cuda" else None,
               "passes": compile_stack.pass_report() if not args.no_compile else None}
@@ -113,7 +120,7 @@ def main(argv=None) -> dict:
         over = [f"{n} {v}" for n, v in (("layers", args.layers), ("seq", args.seq)) if v]
         size = ", ".join([args.preset or "full", *over])
         append_result(f"leaderboard harness + `compile_step`, {size} step, 1 × {torch.cuda.get_device_name()}, "
-                      f"{args.model or 'reference model'}",
+                      f"{args.model or 'reference model'}{offload_label(args.offload_activations)}",
                       f"{ms:,.1f} ms, peak {result['peak_mem_gib']:.2f} GiB, first step {first_s:.1f} s", None,
                       extra={"figures": result})
     return result

@@ -12,6 +12,7 @@ from pathlib import Path
 import torch
 
 from compile_stack import distributed, settings
+from compile_stack.budget import HOST_FRACTION
 from compile_stack.config import PRESETS, ModelConfig
 from passes import registry
 
@@ -26,6 +27,28 @@ class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
         if action.default is None or action.default is False or "default" in (action.help or ""):
             return action.help
         return super()._get_help_string(action)
+
+
+def add_offload_option(p: argparse.ArgumentParser) -> None:
+    """``--offload-activations [SHARE]``: run_step.py's and benchmarks/leaderboard_harness.py's."""
+    p.add_argument("--offload-activations", nargs="?", const=True, default=False, type=float, metavar="SHARE",
+                   help="on one GPU: keep what a larger memory budget would save, beyond the GPU's room, in pinned "
+                        "host memory between forward and backward instead of recomputing it, within SHARE of the "
+                        f"host's memory (default {HOST_FRACTION})")
+
+
+def check_offload(args, p: argparse.ArgumentParser) -> None:
+    """Refuse a share outside (0, 1) and offload under torchrun."""
+    if not isinstance(args.offload_activations, bool) and not 0.0 < args.offload_activations < 1.0:
+        p.error(f"--offload-activations: expected a share of the host's memory in (0, 1), got {args.offload_activations}")
+    if args.offload_activations and int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        p.error("--offload-activations: one GPU only (not built for FSDP2 under torchrun)")
+
+
+def offload_label(share: bool | float) -> str:
+    """What a figure's name adds for an offload setting (BENCHMARKS.md's table keys on it)."""
+    return ("" if share is False else ", activation offload" if share is True
+            else f", activation offload ({share:g} of host memory)")
 
 
 def check_args(args, p: argparse.ArgumentParser) -> None:
@@ -46,10 +69,7 @@ def check_args(args, p: argparse.ArgumentParser) -> None:
         p.error(f"--memory-budget: expected a fraction in [0, 1], got {args.memory_budget}")
     if args.offload_activations and (not args.compile or args.memory_budget is not None):
         p.error("--offload-activations: needs --compile and the budget chosen per graph (no --memory-budget)")
-    if not isinstance(args.offload_activations, bool) and not 0.0 < args.offload_activations < 1.0:
-        p.error(f"--offload-activations: expected a share of the host's memory in (0, 1), got {args.offload_activations}")
-    if args.offload_activations and int(os.environ.get("WORLD_SIZE", "1")) > 1:
-        p.error("--offload-activations: one GPU only (not built for FSDP2 under torchrun)")
+    check_offload(args, p)
     for option in ("model", "loss", "optimizer"):
         spec = getattr(args, option)
         if spec is not None and (spec.count(":") != 1 or not all(spec.split(":"))):
