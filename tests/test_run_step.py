@@ -29,6 +29,8 @@ def test_compiled_step_checks_inspects_profiles_and_reports(tmp_path, cache, cap
     summary = json.loads(out.read_text())
     assert SUMMARY_KEYS <= summary.keys()
     assert summary["preset"] == "tiny" and summary["compiled"] is True
+    times = summary["step_times_ms"]
+    assert len(times) == 2 and summary["step_ms"] == pytest.approx(sum(times) / 2, abs=0.01)  # the median of two
     assert summary["check"]["ok"] is True
     for key in ("loss_rel_err", "grad_rel_err", "param_rel_err"):
         assert 0 <= summary["check"][key] <= summary["check"]["tolerances"][key]

@@ -78,6 +78,7 @@ def measure(step: FirstCallTimer, batch, args, plan, label: str) -> dict:
     figures = {
         "compile_s": round(step.first_s, 2),
         "step_ms": round(step_ms, 2),
+        "step_times_ms": [round(t, 2) for t in times],  # this rank's, in order: the speed can change as it repeats
         "tokens_per_s": round(plan.cfg.tokens / (step_ms / 1e3), 1),
         "peak_mem_gib": round(peak_memory_gib(plan.device), 2),
         "mfu": round(plan.cfg.flops_per_step / (step_ms / 1e3) / H200_PEAK_BF16_FLOPS, 4),
