@@ -1,4 +1,5 @@
-"""run_step.py's options checked before any work: each refusal is one line naming the option.
+"""run_step.py's options checked before any work: each refusal is one line naming the option
+(the offload option also benchmarks/leaderboard_harness.py's).
 
 A bad option found only after the model was built (or after the whole run,
 for an output path) would cost the run; so every check that needs no model
