@@ -512,6 +512,25 @@ def test_gpu_bad_targets_skip_the_update_without_a_sync():
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not HAS_CUDA, reason="needs CUDA")
+def test_gpu_new_plan_waits_for_no_gpu_work():
+    """Tensors at new addresses (a plan miss, as a step's fresh gradients are) launch the update behind
+    queued work without waiting for it: the host keeps its lead into the next step."""
+    state = make_state([(4096, 64), (333, 77)], DTYPES["bf16"], "cuda")
+    expected = [[x.cpu() for x in seq] for seq in state]
+    fused_adamw(*expected, lr=1e-3, step=1)
+    torch.cuda.synchronize()
+    torch.cuda._sleep(1_000_000_000)  # ~0.5 s of queued GPU work
+    fused_adamw(*state, lr=torch.tensor(1e-3), step=torch.tensor(1.0))
+    still_busy = not torch.cuda.current_stream().query()
+    torch.cuda.synchronize()
+    assert still_busy, "the call waited for the GPU's queue to drain (a host sync)"
+    for seq, ref in zip(state, expected):
+        for g, c in zip(seq, ref):
+            torch.testing.assert_close(g.cpu(), c, rtol=2**-7, atol=1e-6)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_CUDA, reason="needs CUDA")
 def test_gpu_mixed_devices_rejected():
     params, grads, exp_avgs, exp_avg_sqs = make_state([(8,)], DTYPES["bf16"], "cuda")
     with pytest.raises(ValueError, match=r"grads\[0\]: expected the device of params\[0\]"):

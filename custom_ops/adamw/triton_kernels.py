@@ -109,7 +109,10 @@ def _adamw_kernel(
 
 
 def build_plan(params, grads, exp_avgs, exp_avg_sqs, block):
-    """Per dtype group: a [n, 6] int64 table on the device and a block → tensor map (int32)."""
+    """Per dtype group: a [n, 6] int64 table on the device and a block → tensor map (int32).
+
+    Built without waiting for the GPU: a step whose gradients land at new addresses builds a
+    plan at every call, and a sync there would leave the host no lead into the next step."""
     device = params[0].device
     groups = {}
     for quad in zip(params, grads, exp_avgs, exp_avg_sqs):
@@ -122,7 +125,8 @@ def build_plan(params, grads, exp_avgs, exp_avg_sqs, block):
             numel = quad[0].numel()
             rows.append([t.data_ptr() for t in quad] + [numel, first])
             first += triton.cdiv(numel, block)
-        table = torch.tensor(rows, dtype=torch.int64).to(device)
+        # From pinned memory, so the copy waits for no GPU work (a pageable one syncs the stream).
+        table = torch.tensor(rows, dtype=torch.int64, pin_memory=device.type == "cuda").to(device, non_blocking=True)
         blocks = table[:, 4].add(block - 1).div(block, rounding_mode="floor")
         ids = torch.arange(len(quads), dtype=torch.int32, device=device)
         block_tensor = torch.repeat_interleave(ids, blocks, output_size=first)
