@@ -17,6 +17,10 @@ compiled as its own graph with its own backend, so its Python step counter
 and float hyper-parameters are traced as symbols from the first compile:
 a scheduler changing ``lr`` between steps does not recompile it.
 
+However the step names its objects (globals of a script included), the
+frames Dynamo resumes it in after each graph break are compiled too
+(``resume_frames.py``).
+
 Nothing of the user's objects is edited for longer than a call: while the
 compiled step runs, each found optimizer's ``step`` routes to its compiled
 update and its ``zero_grad`` runs as a graph break, each block's ``forward``
@@ -34,6 +38,7 @@ from pathlib import Path
 import torch
 
 from compile_stack import host_pinning, settings
+from compile_stack.resume_frames import compiled_resumes
 from compile_stack.blocks import BlockCalls
 from compile_stack.budget import HOST_FRACTION, MemoryLedger
 from compile_stack.capture import PassBackend
@@ -333,6 +338,7 @@ class CompiledStep:
         self.block_calls = [calls for model in (models if options.blocks else [])
                             if (calls := BlockCalls.of(model, lambda n: backend(name="block", uses=n))) is not None]
         self.compiled = torch.compile(train_step, backend=self.backend)
+        self.step_code = getattr(inspect_target(train_step), "__code__", None)  # None: a callable object
         self.targets_check = TargetsCheck()
         self.models = models
         self.called = False
@@ -349,6 +355,7 @@ class CompiledStep:
         self.called = True
         with contextlib.ExitStack() as stack:
             stack.enter_context(self.backend.active())  # the backward may be compiled in this call
+            stack.enter_context(compiled_resumes(self.step_code))
             for calls in self.block_calls:
                 stack.enter_context(calls.routed())
             for opt_step in self.optimizer_steps:

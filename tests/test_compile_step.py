@@ -1,5 +1,6 @@
 """compile_stack's public API on a user's own code: compile_step, Backend, blocks compiled once."""
 import json
+import types
 
 import pytest
 import torch
@@ -310,3 +311,56 @@ def test_an_out_of_range_target_raises_at_the_next_call():
     with pytest.raises(ValueError, match=r"^targets: expected values in \[0, V\) or ignore_index"):
         step(inputs, targets)
     step(inputs, targets)  # reported once
+
+
+SCRIPT_STEP = '''
+import torch
+import torch.nn as nn
+from tests.test_compile_step import gpt
+from tests.user_corpus import VOCAB, batches
+
+torch.manual_seed(0)
+model = gpt(2)
+optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+(inputs, targets), = batches(1)
+{loss_definition}
+
+def train_step():
+    optimizer.zero_grad(set_to_none=True)
+    loss = loss_fn(model(inputs), targets)
+    loss.backward()
+    optimizer.step()
+    return loss
+'''
+LOSS_DEFINITIONS = {
+    "hand-written": '''
+def loss_fn(logits, targets):
+    log_probs = logits.float().log_softmax(-1)
+    return -log_probs.gather(-1, targets.unsqueeze(-1)).mean()
+''',
+    "nn.CrossEntropyLoss": '''
+criterion = nn.CrossEntropyLoss()
+
+def loss_fn(logits, targets):
+    return criterion(logits.view(-1, VOCAB), targets.view(-1))
+''',
+}
+
+
+@pytest.mark.parametrize("loss", sorted(LOSS_DEFINITIONS))
+def test_a_step_written_at_module_level_is_compiled_whole(loss):
+    """A script's step names only globals: after the zero-grad's break, the frame Dynamo resumes
+    in holds no tensor of its own, and Dynamo would skip it (the head and the loss compiled apart,
+    no fused cross-entropy). Its resume frames are compiled as the step is."""
+    losses = []
+    for compiled in (False, True):
+        torch._dynamo.reset()
+        registry.REPORT.clear()
+        script = types.ModuleType("users_script")
+        exec(SCRIPT_STEP.format(loss_definition=LOSS_DEFINITIONS[loss]), vars(script))
+        step = compile_stack.compile_step(script.train_step, codegen=False) if compiled else script.train_step
+        losses.append([step().detach() for _ in range(2)])
+    assert registry.REPORT.replacements["cross_entropy"] == 1
+    assert registry.REPORT.replacements["attention"] == 2 and registry.REPORT.replacements["adamw"] == 1
+    for eager, compiled in zip(*losses):
+        torch.testing.assert_close(compiled, eager, rtol=1e-4, atol=1e-5)

@@ -1,0 +1,40 @@
+"""The user's step compiled after each of its graph breaks, however it names its objects.
+
+After a graph break Dynamo runs the rest of the function in a resume frame it generates, and it
+skips, running eagerly, any frame that holds no tensor or module and names no ``torch`` module.
+``torch.compile`` exempts only the function it was given. A step written at module level, whose
+model, optimizer, batch and hand-written loss are globals, has such a resume frame after the
+zero-grad's break: its forward and loss would run eagerly, each function they call compiled on
+its own, the loss apart from the LM head (no fused cross-entropy: the full logits in memory).
+``compiled_resumes`` exempts the resume frames generated from the step's code, and from those.
+"""
+import contextlib
+import types
+
+from torch._dynamo import eval_frame, resume_execution
+
+
+@contextlib.contextmanager
+def compiled_resumes(code: types.CodeType | None):
+    """While active, each resume frame Dynamo generates from ``code`` (or from one of those) is
+    compiled as ``code`` is, tensors in it or not. None: nothing changes."""
+    cache = getattr(resume_execution, "ContinueExecutionCache", None)
+    exempt = getattr(eval_frame, "always_optimize_code_objects", None)
+    if code is None or cache is None or exempt is None or "lookup" not in vars(cache):  # a torch without them
+        yield
+        return
+    original = vars(cache)["lookup"]
+    ours = [code]  # by identity: equal code objects of other functions are not ours
+
+    def lookup(klass, resumed, *args, **kwargs):
+        resume = original.__func__(klass, resumed, *args, **kwargs)
+        if any(resumed is c for c in ours) and isinstance(resume, types.CodeType):
+            ours.append(resume)
+            exempt[resume] = True
+        return resume
+
+    cache.lookup = classmethod(lookup)
+    try:
+        yield
+    finally:
+        cache.lookup = original
