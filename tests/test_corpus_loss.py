@@ -90,6 +90,15 @@ def log_softmax_nll(logits, targets):
     return F.nll_loss(logp, targets.view(-1))
 
 
+def log_softmax_then_flat_nll(logits, targets):
+    return F.nll_loss(F.log_softmax(logits, dim=-1).view(-1, VOCAB), targets.view(-1))
+
+
+def log_softmax_then_flat_gather(logits, targets):
+    logp = logits.float().log_softmax(-1).view(-1, logits.shape[-1])
+    return -logp.gather(1, targets.view(-1, 1)).mean()
+
+
 def log_softmax_index(logits, targets):
     logp = logits.reshape(-1, VOCAB).log_softmax(-1)
     y = targets.reshape(-1)
@@ -134,6 +143,13 @@ def masked_flat_mean_all(logits, targets):
 # must be left alone
 
 
+def log_softmax_flat_positions(logits, targets):
+    """Cross-entropy, but picked from rows of all positions' vocabularies (a view that merges them):
+    the op takes whole vocabulary rows."""
+    logp = F.log_softmax(logits, dim=-1).view(logits.shape[0], -1)
+    return -logp.gather(1, targets + torch.arange(targets.shape[1]) * VOCAB).mean()
+
+
 def label_smoothing(logits, targets):
     return F.cross_entropy(logits.view(-1, VOCAB), targets.view(-1), label_smoothing=0.1)
 
@@ -174,6 +190,8 @@ CASES = {
     "log_softmax_gather": (model(), log_softmax_gather, REPLACED),
     "log_softmax_nll": (model(), log_softmax_nll, REPLACED),
     "log_softmax_index": (model(), log_softmax_index, REPLACED),
+    "log_softmax_then_flat_nll": (model(), log_softmax_then_flat_nll, REPLACED),
+    "log_softmax_then_flat_gather": (model(), log_softmax_then_flat_gather, REPLACED),
     "neg_log_softmax_pick": (model(), neg_log_softmax_pick, REPLACED),
     "logsumexp_minus_picked": (model(), logsumexp_minus_picked, REPLACED),
     "one_hot": (model(), one_hot_times_logp, REPLACED),
@@ -186,6 +204,7 @@ LEFT = {
     "focal_loss": focal_loss,
     "z_loss": z_loss,
     "weighted_tokens": weighted_tokens,
+    "log_softmax_flat_positions": log_softmax_flat_positions,
 }
 
 

@@ -121,7 +121,8 @@ def _iota(node, n):
 def _pick(node):
     """(x, vd, targets) if ``node`` holds each row's element of x at its target, along vd; else None.
 
-    The targets come back shaped like x without vd.
+    The targets come back shaped like x without vd, or as a tensor that a view makes so: flattened,
+    they line up with x's rows.
     """
     node = _strip(node, (aten.squeeze.dim, aten.squeeze.dims))
     if _call(node, aten.gather.default):
@@ -129,6 +130,9 @@ def _pick(node):
         vd = _dim(d, _rank(x))
         if _call(index, aten.unsqueeze.default) and _dim(index.args[1], _rank(x)) == vd:
             return x, vd, index.args[0]
+        if _call(index, aten.view.default, aten._unsafe_view.default) and _same(
+                _shape(index), [1 if i == vd else s for i, s in enumerate(_shape(x))]):
+            return x, vd, index.args[0]  # targets.view(-1, 1): the same targets in the same order
         return None
     if _call(node, aten.index.Tensor) and _rank(node.args[0]) == 2:
         x, (rows, y) = node.args[0], (list(node.args[1]) + [None, None])[:2]
@@ -164,13 +168,24 @@ def _unsqueezed(x, vd):
     return x, vd
 
 
+def _rows_regrouped(x, vd):
+    """(y, its vd) if x is a view of y that only regroups the rows, the vocabulary last in both
+    (log_softmax(logits).view(-1, V)): row-major, so x's rows are y's in order. Else (x, vd)."""
+    if not _call(x, aten.view.default, aten._unsafe_view.default):
+        return x, vd
+    y = x.args[0]
+    if vd == _rank(x) - 1 and _rank(y) and _same(_shape(x)[-1], _shape(y)[-1]):
+        return y, _rank(y) - 1
+    return x, vd
+
+
 def _ce_rows(node):
     """(L, vd, targets, sign) if ``node`` is sign · CE_row; else None."""
     node = _strip(node, (_CONVERT, *_RESHAPES))
     picked = _pick(node)
     if picked is not None:  # ±pick(±log_softmax(L))
         x, vd, targets = picked
-        x, vd = _unsqueezed(x, vd)
+        x, vd = _rows_regrouped(*_unsqueezed(x, vd))
         lsm = _log_softmax(x)
         if lsm is not None and lsm[1] == vd:
             return lsm[0], vd, targets, -lsm[2]
