@@ -8,9 +8,10 @@ The user hands us the function they time, written as they like::
         loss.backward()
         optimizer.step()
 
-Dynamo captures it as it runs: the zero-grad, forward and loss as one graph
-(``loss.backward()`` is a graph break; AOTAutograd derives the backward, so
-it runs compiled code too), then ``optimizer.step()``. Repeated blocks of the
+Dynamo captures it as it runs: the zero-grad (run eagerly, below), then the
+forward and loss as one graph (``loss.backward()`` is a graph break;
+AOTAutograd derives the backward, so it runs compiled code too), then
+``optimizer.step()``. Repeated blocks of the
 model are compiled once for all of them (``blocks.py``). Each optimizer the
 step reaches (found among the function's closure and global names) is
 compiled as its own graph with its own backend, so its Python step counter
