@@ -7,6 +7,8 @@ model, optimizer, batch and hand-written loss are globals, has such a resume fra
 zero-grad's break: its forward and loss would run eagerly, each function they call compiled on
 its own, the loss apart from the LM head (no fused cross-entropy: the full logits in memory).
 ``compiled_resumes`` exempts the resume frames generated from the step's code, and from those.
+A break Dynamo cannot resume from at all (``loss.backward()`` inside a loop) makes it run the step's
+own frame eagerly; ``ran_eagerly`` tells, for the pass report.
 """
 import contextlib
 import types
@@ -38,3 +40,9 @@ def compiled_resumes(code: types.CodeType | None):
         yield
     finally:
         cache.lookup = original
+
+
+def ran_eagerly(code: types.CodeType | None) -> bool:
+    """Whether Dynamo ran the frame of ``code`` eagerly: after a call it holds no compiled entry."""
+    entries = getattr(eval_frame, "_debug_get_cache_entry_list", None)
+    return code is not None and entries is not None and not entries(code)

@@ -39,7 +39,7 @@ from pathlib import Path
 import torch
 
 from compile_stack import host_pinning, settings
-from compile_stack.resume_frames import compiled_resumes
+from compile_stack.resume_frames import compiled_resumes, ran_eagerly
 from compile_stack.blocks import BlockCalls
 from compile_stack.budget import HOST_FRACTION, MemoryLedger
 from compile_stack.capture import PassBackend
@@ -339,7 +339,9 @@ class CompiledStep:
         self.block_calls = [calls for model in (models if options.blocks else [])
                             if (calls := BlockCalls.of(model, lambda n: backend(name="block", uses=n))) is not None]
         self.compiled = torch.compile(train_step, backend=self.backend)
-        self.step_code = getattr(inspect_target(train_step), "__code__", None)  # None: a callable object
+        # The code of the frame torch.compile runs (a bound method's function's); None for a partial
+        # or a callable object, whose frames Dynamo reaches through a call of its own.
+        self.step_code = getattr(getattr(train_step, "__func__", train_step), "__code__", None)
         self.targets_check = TargetsCheck()
         self.models = models
         self.called = False
@@ -349,8 +351,8 @@ class CompiledStep:
         self.targets_check.before_call()
         if self.ledger is not None:
             self.ledger.at_step_start()
-        pinning = None
-        if not self.called and self.ledger is not None and self.ledger.host_capacity and torch.cuda.is_available():
+        pinning, first = None, not self.called
+        if first and self.ledger is not None and self.ledger.host_capacity and torch.cuda.is_available():
             pinning = host_pinning.step_key(args, self.models, self.ledger.capacity, self.ledger.host_capacity)
             host_pinning.pin_remembered(pinning)  # under the first call's tracing
         self.called = True
@@ -366,6 +368,10 @@ class CompiledStep:
             backend.settle_shares()  # every graph of the step has its plan now
         if pinning is not None:
             host_pinning.remember(pinning)
+        if first and ran_eagerly(self.step_code):
+            note("step", "Dynamo ran the step's own code eagerly (a graph break it cannot resume from, such as "
+                         "loss.backward() inside a loop): the model and optimizer are compiled on their own, and "
+                         "what the step computes outside them, a loss included, runs uncompiled and unfused")
         self.targets_check.after_call()
         return result
 

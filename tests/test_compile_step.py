@@ -364,3 +364,34 @@ def test_a_step_written_at_module_level_is_compiled_whole(loss):
     assert registry.REPORT.replacements["attention"] == 2 and registry.REPORT.replacements["adamw"] == 1
     for eager, compiled in zip(*losses):
         torch.testing.assert_close(compiled, eager, rtol=1e-4, atol=1e-5)
+
+
+def test_a_step_dynamo_runs_eagerly_says_so():
+    """Gradient accumulation in a loop: Dynamo cannot resume after ``backward()`` inside it and runs
+    the step's frame eagerly. The model and optimizer still compile, the loss does not, and the
+    report says why; the step still equals eager. A step Dynamo compiles has no such note."""
+    def accumulating(model, optimizer, micro_batches):
+        def train_step():
+            for inputs, targets in micro_batches:
+                loss = mean_cross_entropy(model(inputs), targets) / len(micro_batches)
+                loss.backward()
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            return loss
+        return train_step
+
+    torch._dynamo.reset()
+    registry.REPORT.clear()
+    steps = []
+    for compiled in (False, True):
+        torch.manual_seed(0)
+        model = gpt(2)
+        step = accumulating(model, torch.optim.AdamW(model.parameters(), lr=1e-3), batches(2))
+        steps.append(compile_stack.compile_step(step, codegen=False) if compiled else step)
+    for _ in range(2):
+        eager, compiled = (step().detach() for step in steps)
+        torch.testing.assert_close(compiled, eager, rtol=1e-4, atol=1e-5)
+    assert registry.REPORT.replacements["attention"] == 2 and registry.REPORT.replacements["cross_entropy"] == 0
+    assert any(n.startswith("step: Dynamo ran the step's own code eagerly") for n in registry.REPORT.notes)
+    compiled_gpt_step(2)
+    assert not any(n.startswith("step:") for n in registry.REPORT.notes)
