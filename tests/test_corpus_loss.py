@@ -249,3 +249,33 @@ def test_bf16_count(head, loss_fn):
     (inputs, targets), = batches(1)
     compile_stack.compile_step(step, codegen=False)(inputs, targets)
     assert registry.REPORT.replacements.get("cross_entropy", 0) == 1, registry.REPORT.notes
+
+
+def test_logits_kept_past_backward_are_left_alone_and_said_so():
+    """A step that keeps the logits past ``backward()`` (here for a token accuracy after the update)
+    needs them as the graph's output: the fused loss, which never forms them, is not used, and the
+    note says why; the step still equals eager."""
+    def train_step_with_accuracy(model, optimizer):
+        def train_step(inputs, targets):
+            optimizer.zero_grad(set_to_none=True)
+            logits = model(inputs)
+            loss = ce_flat_mean(logits, targets)
+            loss.backward()
+            optimizer.step()
+            with torch.no_grad():
+                accuracy = (logits.argmax(-1) == targets).float().mean()
+            return loss, accuracy
+        return train_step
+
+    torch._dynamo.reset()
+    registry.REPORT.clear()
+    torch.manual_seed(0)
+    ours, theirs = LM(), LM()
+    theirs.load_state_dict(ours.state_dict())
+    compiled = compile_stack.compile_step(train_step_with_accuracy(ours, adamw(ours.parameters())), codegen=False)
+    eager = train_step_with_accuracy(theirs, adamw(theirs.parameters()))
+    for inputs, targets in batches(2):
+        for got, expected in zip(compiled(inputs, targets), eager(inputs, targets)):
+            torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-5)
+    assert registry.REPORT.replacements["cross_entropy"] == 0
+    assert any("the logits leave the graph too" in n for n in registry.REPORT.notes), registry.REPORT.notes

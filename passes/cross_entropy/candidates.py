@@ -70,12 +70,22 @@ def _candidate(graph, loss, projection, row_ops, backward, backward_mms, tangent
 def _check_supported(loss, projection):
     """NoMatch if the op cannot compute this recognised loss over this projection."""
     if len(tangents_of(projection.graph)) != 1 or _rank(tangents_of(projection.graph)[0]) != 0:
+        if _logits_returned(projection):
+            raise NoMatch("the logits leave the graph too (the step keeps them past backward(): in a returned "
+                          "object, or for a metric), and the fused loss does not produce them")
         raise NoMatch("the graph has other differentiable outputs than one scalar loss")
     a, b = (fake_value(x) for x in projection.args)
     if a.dtype != b.dtype or a.dtype not in (torch.float16, torch.bfloat16, torch.float32):
         raise NoMatch(f"the projection's dtype {a.dtype} is not supported")
     if loss.masks and any(not _same(fake_value(m).numel(), fake_value(loss.targets).numel()) for m, _ in loss.masks):
         raise NoMatch("a mask does not cover the rows one to one")
+
+
+def _logits_returned(projection) -> bool:
+    """Whether the graph outputs the projection's result (through views, casts, slices, copies)."""
+    ops = _VIEW_OPS | {aten.slice.Tensor, aten.clone.default}
+    return any(_through_views(x, allow_convert=True, ops=ops)[0] is projection
+               for x in projection.graph.output_node().all_input_nodes)
 
 
 def tangents_of(graph):
