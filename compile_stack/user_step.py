@@ -33,6 +33,7 @@ import dataclasses
 import dis
 import functools
 import re
+import types
 from collections.abc import Callable
 from pathlib import Path
 
@@ -136,11 +137,35 @@ def _has_contents(cell) -> bool:
 
 def _global_names(code) -> set[str]:
     """Global names a code object and the functions nested in it read."""
-    names = set(code.co_names)
-    for const in code.co_consts:
-        if isinstance(const, type(code)):
-            names |= _global_names(const)
-    return names
+    return {name for c in _nested_codes(code) for name in c.co_names}
+
+
+def global_counter_sources(fn: Callable) -> str:
+    """Dynamo sources of the module's ints that the step, or a function of its module it names,
+    assigns (``global t; t += 1`` in a hand-written update), to trace as symbols from the first
+    compile: Dynamo bakes a global int in as a constant, so each new value would recompile the
+    step until its recompile limit left the rest of it eager. Regular expressions, as
+    ``step_counter_sources`` returns them."""
+    fn = inspect_target(fn)
+    module = getattr(fn, "__globals__", None)
+    if module is None:
+        return ""
+    names, seen, todo = set(), set(), [fn]
+    while todo:
+        code = todo.pop().__code__
+        if code in seen:
+            continue
+        seen.add(code)
+        names |= {i.argval for c in _nested_codes(code) for i in dis.get_instructions(c)
+                  if i.opname == "STORE_GLOBAL" and type(module.get(i.argval)) is int}
+        todo += [f for name in _global_names(code) if isinstance(f := module.get(name), types.FunctionType)
+                 and f.__globals__ is module]
+    return ",".join(rf"G\['{re.escape(name)}'\]$" for name in sorted(names))
+
+
+def _nested_codes(code) -> list:
+    """A code object and the code objects nested in it (closures, comprehensions)."""
+    return [code, *(c for const in code.co_consts if isinstance(const, type(code)) for c in _nested_codes(const))]
 
 
 def step_counter_sources(optimizer) -> str:
@@ -342,6 +367,7 @@ class CompiledStep:
         # The code of the frame torch.compile runs (a bound method's function's); None for a partial
         # or a callable object, whose frames Dynamo reaches through a call of its own.
         self.step_code = getattr(getattr(train_step, "__func__", train_step), "__code__", None)
+        self.counter_sources = global_counter_sources(train_step)
         self.targets_check = TargetsCheck()
         self.models = models
         self.called = False
@@ -359,6 +385,10 @@ class CompiledStep:
         with contextlib.ExitStack() as stack:
             stack.enter_context(self.backend.active())  # the backward may be compiled in this call
             stack.enter_context(compiled_resumes(self.step_code))
+            if self.counter_sources:
+                given = torch.compiler.config.dynamic_sources
+                stack.enter_context(torch.compiler.config.patch(
+                    dynamic_sources=",".join(s for s in (given, self.counter_sources) if s)))
             for calls in self.block_calls:
                 stack.enter_context(calls.routed())
             for opt_step in self.optimizer_steps:

@@ -395,3 +395,54 @@ def test_a_step_dynamo_runs_eagerly_says_so():
     assert any(n.startswith("step: Dynamo ran the step's own code eagerly") for n in registry.REPORT.notes)
     compiled_gpt_step(2)
     assert not any(n.startswith("step:") for n in registry.REPORT.notes)
+
+
+FUNCTIONAL_ADAMW_SCRIPT = '''
+import torch
+from tests.test_compile_step import gpt
+from tests.user_corpus import batches, mean_cross_entropy
+
+torch.manual_seed(0)
+model = gpt(2)
+params = list(model.parameters())
+exp_avgs = [torch.zeros_like(p) for p in params]
+exp_avg_sqs = [torch.zeros_like(p) for p in params]
+t = 0
+(inputs, targets), = batches(1)
+
+def adamw_update(lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.01):
+    global t
+    t += 1
+    with torch.no_grad():
+        for p, m, v in zip(params, exp_avgs, exp_avg_sqs):
+            m.lerp_(p.grad, 1 - beta1)
+            v.mul_(beta2).addcmul_(p.grad, p.grad, value=1 - beta2)
+            p.mul_(1 - lr * weight_decay)
+            p.addcdiv_(m / (1 - beta1 ** t), (v / (1 - beta2 ** t)).sqrt_().add_(eps), value=-lr)
+
+def train_step():
+    for p in params:
+        p.grad = None
+    loss = mean_cross_entropy(model(inputs), targets)
+    loss.backward()
+    adamw_update()
+    return loss
+'''
+
+
+def test_a_global_step_counter_is_traced_as_a_symbol():
+    """A hand-written update over module globals counts its steps in a global int: baked in as a
+    constant, each step would recompile (the pass firing anew each time) until Dynamo's recompile
+    limit left the update eager. Traced as a symbol, the step compiles once and equals eager."""
+    losses = []
+    for compiled in (False, True):
+        torch._dynamo.reset()
+        registry.REPORT.clear()
+        script = types.ModuleType("users_script")
+        exec(FUNCTIONAL_ADAMW_SCRIPT, vars(script))
+        step = compile_stack.compile_step(script.train_step, codegen=False) if compiled else script.train_step
+        losses.append([step().detach() for _ in range(4)])
+        assert script.t == 4
+    assert registry.REPORT.replacements["adamw"] == 1 and registry.REPORT.replacements["cross_entropy"] == 1
+    for eager, compiled in zip(*losses):
+        torch.testing.assert_close(compiled, eager, rtol=1e-4, atol=1e-5)
