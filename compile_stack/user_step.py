@@ -11,12 +11,13 @@ The user hands us the function they time, written as they like::
 Dynamo captures it as it runs: the zero-grad (run eagerly, below), then the
 forward and loss as one graph (``loss.backward()`` is a graph break;
 AOTAutograd derives the backward, so it runs compiled code too), then
-``optimizer.step()``. Repeated blocks of the
-model are compiled once for all of them (``blocks.py``). Each optimizer the
-step reaches (found among the function's closure and global names) is
-compiled as its own graph with its own backend, so its Python step counter
-and float hyper-parameters are traced as symbols from the first compile:
-a scheduler changing ``lr`` between steps does not recompile it.
+``optimizer.step()``. Repeated blocks of the model are compiled once for all
+of them (``blocks.py``). Each optimizer the step reaches (found among the
+function's closure and global names) is compiled as its own graph with its
+own backend, so its Python step counter and float hyper-parameters are traced
+as symbols from the first compile: a scheduler changing ``lr`` between steps
+does not recompile it. So is a module's int that the step's own functions
+assign (a functional update's step counter).
 
 However the step names its objects (globals of a script included), the
 frames Dynamo resumes it in after each graph break are compiled too
@@ -40,11 +41,11 @@ from pathlib import Path
 import torch
 
 from compile_stack import host_pinning, settings
-from compile_stack.resume_frames import compiled_resumes, ran_eagerly
 from compile_stack.blocks import BlockCalls
 from compile_stack.budget import HOST_FRACTION, MemoryLedger
 from compile_stack.capture import PassBackend
 from compile_stack.inspection import InspectionWriter
+from compile_stack.resume_frames import compiled_resumes, ran_eagerly
 from compile_stack.targets import TargetsCheck
 from custom_ops.activation_offload import TRANSFERS
 from custom_ops.checks import require
