@@ -79,7 +79,8 @@ def _find_chains(graph: Graph, flow: _Flow) -> list[_Chain]:
         grads = {next(iter(reads[x][0] - {x})) for x in moments}
         g = next(iter(grads)) if len(grads) == 1 else None
         if len(others) != 3 or len(moments) != 2 or g is None or g in mutated or g not in others:
-            other_updates.append(f"{p.name} reads {sorted(n.name for n in data)}")
+            if len({tuple(fake_value(x).shape) for x in data}) == 1:  # else no elementwise update (a clip's norm)
+                other_updates.append(f"{p.name} reads {sorted(n.name for n in data)}")
             continue
         m, v = moments  # which is which: _prove tells them apart
         if taken & {p, g, m, v}:
