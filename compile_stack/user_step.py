@@ -25,9 +25,9 @@ frames Dynamo resumes it in after each graph break are compiled too
 
 Nothing of the user's objects is edited for longer than a call: while the
 compiled step runs, each found optimizer's ``step`` routes to its compiled
-update and its ``zero_grad`` runs as a graph break, each block's ``forward``
-routes to its block call, and torch.optim's ``foreach`` flag reads False;
-afterwards all are as they were.
+update, its ``zero_grad`` and each found model's run as graph breaks, each
+block's ``forward`` routes to its block call, and torch.optim's ``foreach``
+flag reads False; afterwards all are as they were.
 """
 import contextlib
 import dataclasses
@@ -371,6 +371,9 @@ class CompiledStep:
         self.counter_sources = global_counter_sources(train_step)
         self.targets_check = TargetsCheck()
         self.models = models
+        # A model's zero-grad, like an optimizer's, runs eagerly: traced, its grad = None would land
+        # after the forward graph, the last step's gradients alive through it.
+        self.model_zero_grads = [torch._dynamo.disable(model.zero_grad) for model in models]
         self.called = False
         functools.update_wrapper(self, train_step)
 
@@ -394,6 +397,8 @@ class CompiledStep:
                 stack.enter_context(calls.routed())
             for opt_step in self.optimizer_steps:
                 stack.enter_context(opt_step.routed())
+            for model, zero_grad in zip(self.models, self.model_zero_grads):
+                stack.enter_context(_routed(model, "zero_grad", zero_grad))
             result = self.compiled(*args, **kwargs)
         for backend in (self.backend, self.optimizer_backend, *(calls.backend for calls in self.block_calls)):
             backend.settle_shares()  # every graph of the step has its plan now

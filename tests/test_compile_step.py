@@ -1,4 +1,5 @@
 """compile_stack's public API on a user's own code: compile_step, Backend, blocks compiled once."""
+import copy
 import json
 import types
 
@@ -6,6 +7,7 @@ import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from torch._dynamo.utils import counters
 
 import compile_stack
 import run_step
@@ -126,6 +128,37 @@ def test_the_optimizers_step_is_routed_only_during_the_call():
     assert "step" not in vars(optimizer)  # the class's own step again
     assert step.optimizer_steps[0].optimizer is optimizer
     assert registry.REPORT.replacements["adamw"] == 1  # compiled once, fused
+
+
+def test_a_models_zero_grad_runs_before_the_forward_graph():
+    """``model.zero_grad()`` in the step runs eagerly, as the optimizer's does: traced, Dynamo would
+    set the grads to None only after the forward graph ran, the last step's gradients alive
+    through it. After the call the model's zero_grad is the class's again."""
+    torch._dynamo.reset()
+    registry.REPORT.clear()
+    counters.clear()
+    torch.manual_seed(0)
+    model = gpt(2)
+    eager_model = copy.deepcopy(model)
+
+    def make_step(model, optimizer):
+        def train_step(inputs, targets):
+            model.zero_grad(set_to_none=True)
+            loss = mean_cross_entropy(model(inputs), targets)
+            loss.backward()
+            optimizer.step()
+            return loss
+        return train_step
+
+    step = compile_stack.compile_step(make_step(model, torch.optim.AdamW(model.parameters(), lr=1e-3)),
+                                      codegen=False)
+    eager = make_step(eager_model, torch.optim.AdamW(eager_model.parameters(), lr=1e-3))
+    for inputs, targets in batches(2):
+        torch.testing.assert_close(step(inputs, targets), eager(inputs, targets), rtol=1e-4, atol=1e-5)
+    assert any("Module.zero_grad" in reason and "torch.compiler.disable" in reason
+               for reason in counters["graph_break"]), dict(counters["graph_break"])
+    assert "zero_grad" not in vars(model)
+    assert registry.REPORT.replacements["cross_entropy"] == 1
 
 
 def test_backend_works_without_a_context_manager():
