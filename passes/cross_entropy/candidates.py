@@ -2,7 +2,7 @@
 notes on the ones that cannot (step 4 of the package docstring)."""
 import torch
 
-from passes.cross_entropy.common import PASS, _MATMULS, _VIEW_OPS, _call, _rank, _same, _through_views, aten
+from passes.cross_entropy.common import PASS, _HEAD_TO_LOGITS, _MATMULS, _call, _rank, _same, _through_views, aten
 from passes.cross_entropy.head import _backward_matmuls, _projection
 from passes.cross_entropy.loss import _ignore_index, _recognise, _scalar_chain
 from passes.graph_edit import fake_value, reachable
@@ -83,8 +83,7 @@ def _check_supported(loss, projection):
 
 def _logits_returned(projection) -> bool:
     """Whether the graph outputs the projection's result (through views, casts, slices, copies)."""
-    ops = _VIEW_OPS | {aten.slice.Tensor, aten.clone.default}
-    return any(_through_views(x, allow_convert=True, ops=ops)[0] is projection
+    return any(_through_views(x, allow_convert=True, ops=_HEAD_TO_LOGITS)[0] is projection
                for x in projection.graph.output_node().all_input_nodes)
 
 
@@ -97,8 +96,7 @@ def _note_unmatched_softmaxes(graph, taken):
     for node in graph.nodes:
         if node.op != "call_function" or node.target not in _SOFTMAX_STARTS:
             continue
-        base, _ = _through_views(node.args[0], allow_convert=True,
-                                 ops=_VIEW_OPS | {aten.slice.Tensor, aten.clone.default})
+        base, _ = _through_views(node.args[0], allow_convert=True, ops=_HEAD_TO_LOGITS)
         if base.target not in _MATMULS | {aten.addmm.default} or base in taken:
             continue
         weight, _ = _through_views(base.args[-1], allow_convert=True)

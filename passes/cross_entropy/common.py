@@ -26,6 +26,8 @@ _VIEW_OPS = {
 }
 # Views that keep the row-major order of the elements (reshapes): safe on per-row values.
 _RESHAPES = _VIEW_OPS - {aten.permute.default, aten.transpose.int, aten.t.default}
+# What may stand between the head's matmul and the logits: views, whole rows sliced away, copies.
+_HEAD_TO_LOGITS = _VIEW_OPS | {aten.slice.Tensor, aten.clone.default}
 _CONVERT = prims.convert_element_type.default
 _MATMULS = {aten.mm.default, aten.bmm.default}
 

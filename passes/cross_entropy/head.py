@@ -1,6 +1,6 @@
 """The LM head under a recognised loss: the matmul whose output the logits are (possibly with
 whole rows sliced away), and its two backward matmuls (step 3 of the package docstring)."""
-from passes.cross_entropy.common import (_CONVERT, _MATMULS, _VIEW_OPS, _call, _dim, _layout, _matrix, _rank,
+from passes.cross_entropy.common import (_CONVERT, _HEAD_TO_LOGITS, _MATMULS, _call, _dim, _layout, _matrix, _rank,
                                          _replay, _row_major, _same, _shape, _through_views, _transposed, aten)
 from passes.graph_edit import fake_value
 
@@ -10,7 +10,7 @@ def _projection(loss):
     vd (row ops empty), or whole rows selected by slices, vocabulary last (the ops taking L's rows
     from the matmul's, to be applied to the hidden). None otherwise."""
     L, vd = loss.logits, loss.vd
-    base, chain = _through_views(L, allow_convert=True, ops=_VIEW_OPS | {aten.slice.Tensor, aten.clone.default})
+    base, chain = _through_views(L, allow_convert=True, ops=_HEAD_TO_LOGITS)
     if not _call(base, *_MATMULS):
         return None
     for n in chain:
