@@ -346,6 +346,16 @@ def test_an_out_of_range_target_raises_at_the_next_call():
     step(inputs, targets)  # reported once
 
 
+def users_script(source: str) -> types.ModuleType:
+    """A user's script run as a module of its own (its names are the module's globals), with fresh
+    Dynamo state and an empty pass report."""
+    torch._dynamo.reset()
+    registry.REPORT.clear()
+    script = types.ModuleType("users_script")
+    exec(source, vars(script))
+    return script
+
+
 SCRIPT_STEP = '''
 import torch
 import torch.nn as nn
@@ -387,10 +397,7 @@ def test_a_step_written_at_module_level_is_compiled_whole(loss):
     no fused cross-entropy). Its resume frames are compiled as the step is."""
     losses = []
     for compiled in (False, True):
-        torch._dynamo.reset()
-        registry.REPORT.clear()
-        script = types.ModuleType("users_script")
-        exec(SCRIPT_STEP.format(loss_definition=LOSS_DEFINITIONS[loss]), vars(script))
+        script = users_script(SCRIPT_STEP.format(loss_definition=LOSS_DEFINITIONS[loss]))
         step = compile_stack.compile_step(script.train_step, codegen=False) if compiled else script.train_step
         losses.append([step().detach() for _ in range(2)])
     assert registry.REPORT.replacements["cross_entropy"] == 1
@@ -469,10 +476,7 @@ def test_a_global_step_counter_is_traced_as_a_symbol():
     limit left the update eager. Traced as a symbol, the step compiles once and equals eager."""
     losses = []
     for compiled in (False, True):
-        torch._dynamo.reset()
-        registry.REPORT.clear()
-        script = types.ModuleType("users_script")
-        exec(FUNCTIONAL_ADAMW_SCRIPT, vars(script))
+        script = users_script(FUNCTIONAL_ADAMW_SCRIPT)
         step = compile_stack.compile_step(script.train_step, codegen=False) if compiled else script.train_step
         losses.append([step().detach() for _ in range(4)])
         assert script.t == 4
