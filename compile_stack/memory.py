@@ -32,7 +32,7 @@ The estimate is deliberately simple and errs high; it is a guard, not a plan.
   gradients live only inside its backward, in the working set.
 - ``fits`` leaves 5% of the device to what the caching allocator does not
   count (CUDA context, NCCL and cuBLAS buffers) and to fragmentation, which
-  ``expandable_segments`` (run_step's default) keeps small.
+  ``expandable_segments`` (compile_stack turns it on at import) keeps small.
 """
 import os
 

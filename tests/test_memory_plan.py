@@ -1,4 +1,8 @@
 """The memory plan: what AOTAutograd's partitioner saves under our budget, and our estimate of it."""
+import os
+import subprocess
+import sys
+
 import pytest
 import torch
 
@@ -106,3 +110,18 @@ def test_measured_plans_match_the_partitioner_at_full_width(budget):
         torch.compile(block, backend=backend, fullgraph=True)(x)
     estimate = memory.saved_bytes_per_token(cfg, budget)
     assert saved[0] / cfg.tokens <= estimate <= saved[0] / cfg.tokens + 2 * 4
+
+
+@pytest.mark.parametrize("users_setting, expected", [
+    (None, "expandable_segments:True"),
+    ("expandable_segments:False", "expandable_segments:False"),
+])
+def test_importing_the_package_turns_on_expandable_segments_unless_the_user_chose(users_setting, expected):
+    """The plan fills the device to within 5%, which needs the allocator's expandable segments:
+    a user's own script gets them from the import, as run_step does; a setting of theirs stays."""
+    env = {k: v for k, v in os.environ.items() if k != "PYTORCH_CUDA_ALLOC_CONF"}
+    if users_setting is not None:
+        env["PYTORCH_CUDA_ALLOC_CONF"] = users_setting
+    probe = "import os, compile_stack; print(os.environ['PYTORCH_CUDA_ALLOC_CONF'])"
+    out = subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == expected

@@ -6,7 +6,3 @@ One phase of a run a module: ``options`` (the command line, checked before any
 work), ``plan`` (device, config, budget, fit), ``user_code``, ``build``,
 ``check``, ``measure``, ``profiling``, ``compare`` (with ``stock``), ``report``.
 """
-import os
-
-# Read at CUDA's first allocation: a step that plans to fill ~120 GiB cannot afford fragmentation.
-os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
