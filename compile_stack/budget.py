@@ -79,12 +79,13 @@ def plan_code_hash() -> str:
 class MemoryLedger:
     """What a step's graphs may save for their backward, on one device.
 
-    ``capacity`` is the device's usable bytes; ``allocated()`` what is
-    allocated now; ``future_state()`` what the step will still create that
-    lives across steps (an optimizer's lazily created moments). A compiled
-    step calls ``at_step_start()`` as it starts: graphs compiled later in it
-    (a piece after the blocks) count what was allocated then, not the blocks'
-    saved activations, which the blocks' reservation already counts.
+    ``capacity`` is the device's usable bytes; ``kept()`` what lives across
+    steps: what is allocated and the state the step will still create (an
+    optimizer's lazily created moments). A compiled step calls
+    ``at_step_start()`` as it starts: graphs compiled later in it (a piece
+    after the blocks) and the shares settled after it count what was kept
+    then, not the blocks' saved activations, which the blocks' reservation
+    already counts, and the moments once, whether they exist yet or not.
     """
 
     def __init__(self, capacity: float, allocated: Callable[[], int], future_state: Callable[[], int],
@@ -94,7 +95,7 @@ class MemoryLedger:
         self.host_capacity = host_capacity  # host bytes saved activations may take (0: offload off)
         self.host_reserved: dict[str, int] = {}
         self._allocated = allocated
-        self.resident: int | None = None  # allocated at the step's start, once known
+        self.resident: int | None = None  # kept() at the step's start, once known
         self.future_state = future_state
         self.reserved: dict[str, int] = {}  # graph key -> bytes its saved activations take (all uses)
         self.workings: dict[str, int] = {}  # graph key -> its working set
@@ -112,15 +113,15 @@ class MemoryLedger:
                    lambda: lazy_optimizer_state_bytes([opt for ref in refs if (opt := ref()) is not None]), host, device)
 
     def at_step_start(self) -> None:
-        self.resident = self._allocated()
+        self.resident = self._allocated() + self.future_state()
 
-    def allocated(self) -> int:
-        return self._allocated() if self.resident is None else self.resident
+    def kept(self) -> int:
+        return self._allocated() + self.future_state() if self.resident is None else self.resident
 
     def available(self, key: str, working: int) -> int:
         """Bytes the graph ``key`` may save, given its working set ``working``."""
         others = sum(b for k, b in self.reserved.items() if k != key)
-        return int(self.capacity - self.allocated() - self.future_state() - others
+        return int(self.capacity - self.kept() - others
                    - max(self.working, working) - SCRATCH_BYTES)
 
     def host_available(self, key: str) -> int:
@@ -281,6 +282,6 @@ class BudgetedPartitioner(CustomPartitionerFn):
         return (str, (self.uuid(),))
 
     def uuid(self):
-        state = (self.ledger.allocated() + self.ledger.future_state()) >> 30
+        state = self.ledger.kept() >> 30
         identity = f"{plan_code_hash()}:{self.uses}:{self.ledger.capacity:.0f}:{state}:{self.ledger.host_capacity}"
         return identity if self.richer is None else f"{identity}:richer:{self.richer}"

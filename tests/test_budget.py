@@ -109,6 +109,19 @@ def test_allocations_during_the_step_count_as_of_its_start():
     assert book.available("head", working=0) == 100 * 2**30 - 10 * 2**30 - 60 * 2**30 - 2**30 - SCRATCH_BYTES
 
 
+def test_state_the_first_step_creates_counts_once():
+    """An optimizer's moments, created lazily by the first step's update: state to come at the
+    step's start, allocated by its end. The shares settled after that step (plan_share.py) count
+    them once; counted as neither, the last blocks took 22 GiB that torch.optim.AdamW's moments
+    held, and a user's full-size step ran out of memory at its second call."""
+    allocated, to_come = [10 * 2**30], [20 * 2**30]
+    book = MemoryLedger(100 * 2**30, allocated=lambda: allocated[0], future_state=lambda: to_come[0])
+    book.at_step_start()
+    at_start = book.available("block", working=0)
+    allocated[0], to_come[0] = 30 * 2**30, 0  # the update created them
+    assert book.available("block", working=0) == at_start == 100 * 2**30 - 30 * 2**30 - SCRATCH_BYTES
+
+
 def test_lazy_state_counts_two_moments_per_parameter_without_state():
     a, b = nn.Parameter(torch.zeros(10)), nn.Parameter(torch.zeros(3, 4))
     opt = torch.optim.AdamW([a, b])

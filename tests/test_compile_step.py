@@ -1,6 +1,8 @@
 """compile_stack's public API on a user's own code: compile_step, Backend, blocks compiled once."""
 import copy
+import importlib.util
 import json
+import sys
 import types
 
 import pytest
@@ -346,14 +348,22 @@ def test_an_out_of_range_target_raises_at_the_next_call():
     step(inputs, targets)  # reported once
 
 
-def users_script(source: str) -> types.ModuleType:
-    """A user's script run as a module of its own (its names are the module's globals), with fresh
-    Dynamo state and an empty pass report."""
-    torch._dynamo.reset()
-    registry.REPORT.clear()
-    script = types.ModuleType("users_script")
-    exec(source, vars(script))
-    return script
+@pytest.fixture
+def users_script(monkeypatch, tmp_path):
+    """Runs a user's script from a file as a module of its own, its names the module's globals,
+    registered in ``sys.modules`` as ``python script.py`` registers ``__main__``: Dynamo reads a
+    frame's globals through its module, and torch 2.11 compiles a function without a source file
+    through a wrapper frame of its own. With fresh Dynamo state and an empty pass report."""
+    def run(source: str) -> types.ModuleType:
+        torch._dynamo.reset()
+        registry.REPORT.clear()
+        path = tmp_path / "users_script.py"
+        path.write_text(source)
+        script = importlib.util.module_from_spec(importlib.util.spec_from_file_location(path.stem, path))
+        monkeypatch.setitem(sys.modules, script.__name__, script)
+        script.__spec__.loader.exec_module(script)
+        return script
+    return run
 
 
 SCRIPT_STEP = '''
@@ -391,7 +401,7 @@ def loss_fn(logits, targets):
 
 
 @pytest.mark.parametrize("loss", sorted(LOSS_DEFINITIONS))
-def test_a_step_written_at_module_level_is_compiled_whole(loss):
+def test_a_step_written_at_module_level_is_compiled_whole(loss, users_script):
     """A script's step names only globals: after the zero-grad's break, the frame Dynamo resumes
     in holds no tensor of its own, and Dynamo would skip it (the head and the loss compiled apart,
     no fused cross-entropy). Its resume frames are compiled as the step is."""
@@ -470,7 +480,7 @@ def train_step():
 '''
 
 
-def test_a_global_step_counter_is_traced_as_a_symbol():
+def test_a_global_step_counter_is_traced_as_a_symbol(users_script):
     """A hand-written update over module globals counts its steps in a global int: baked in as a
     constant, each step would recompile (the pass firing anew each time) until Dynamo's recompile
     limit left the update eager. Traced as a symbol, the step compiles once and equals eager."""
