@@ -260,11 +260,13 @@ class CompiledOptimizerStep:
         The foreach form hands ``1 - lr·wd`` and the step sizes to ``_foreach_*`` ops as
         Python numbers, so Dynamo bakes lr in and a scheduler recompiles the step at every new
         lr (eager past the recompile limit). The single-tensor form keeps lr a symbol; it is the
-        same update, and the AdamW pass fuses it into one call either way.
+        same update, and the AdamW pass fuses it into one call either way. Capturable groups
+        too: on a GPU, Dynamo's first trace sets ``capturable`` in groups without state, and a
+        second call taking the foreach form then compiled the step again.
         """
         saved = [(g, g["foreach"]) for g in getattr(self.optimizer, "param_groups", ())
                  if isinstance(self.optimizer, torch.optim.Optimizer) and "foreach" in g
-                 and g["foreach"] is not False and not g.get("fused") and not g.get("capturable")]
+                 and g["foreach"] is not False and not g.get("fused")]
         for group, _ in saved:
             group["foreach"] = False
         try:

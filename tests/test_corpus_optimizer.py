@@ -74,6 +74,31 @@ def test_torch_adamw_foreach_with_scheduler_compiles_once(foreach):
     assert optimizer[0].param_groups[0]["foreach"] is foreach  # the user's setting, as it was
 
 
+@pytest.mark.parametrize("foreach", [True, None], ids=["foreach", "default"])
+def test_torch_adamw_made_capturable_by_dynamo_compiles_once(foreach, monkeypatch):
+    """On a GPU, Dynamo's first trace of a torch.optim step sets ``capturable`` in the user's
+    param groups whose state does not exist yet. The step must still run in the per-parameter
+    form from the second call on: in the foreach form it compiled again (45 s at the full size
+    on the H200) with lr baked in, each new lr another compile. Dynamo's GPU-only mutation is
+    made to happen here on the CPU too (where foreach=None is the per-parameter form anyway)."""
+    from torch._dynamo.variables.optimizer import OptimizerVariable
+
+    dynamos = OptimizerVariable._set_capturable
+
+    def as_on_a_gpu(self, tx):
+        for group in self.value.param_groups:
+            if "capturable" in group and not any(p in self.value.state for p in group["params"]):
+                group["capturable"] = True
+        dynamos(self, tx)
+
+    monkeypatch.setattr(OptimizerVariable, "_set_capturable", as_on_a_gpu)
+    optimizer = []
+    run_case(model, make_optimizer=lambda ps: optimizer.append(torch.optim.AdamW(ps, lr=1e-2, weight_decay=0.1,
+                                                                                 foreach=foreach)) or optimizer[-1],
+             make_scheduler=SCHEDULERS["cosine"], expect={"adamw": 1})
+    assert optimizer[0].param_groups[0]["capturable"] and optimizer[0].param_groups[0]["foreach"] is foreach
+
+
 def test_torch_adamw_with_clipping():
     """Fused, and the clip's scaling of every gradient by their global norm (each reads all of
     them) is no update the pass notes."""
