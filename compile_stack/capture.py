@@ -34,6 +34,7 @@ from torch._inductor.decomposition import select_decomp_table
 from torch._inductor.runtime import cache_dir_utils
 
 from compile_stack import blocks, input_masks, inspection, plan_records, plan_share, settings
+from compile_stack.grad_release import grads_set_to_none, releasing_grads
 from compile_stack.budget import BudgetedPartitioner, MemoryLedger
 from passes import registry
 from passes.graph_edit import copy_module
@@ -94,14 +95,15 @@ class PassBackend:
             yield
 
     def __call__(self, gm: torch.fx.GraphModule, example_inputs):
+        released = grads_set_to_none(gm)  # before a pass edits the graph's inputs
         if self.outline_blocks:
             segmented = blocks.outline(gm, self._compile)
             if segmented is not None:
                 if self.writer:  # the graph Dynamo captured, before it was cut
                     self.writer.begin_graph(f"{self.name}.captured{self.captures}", gm)
                 self.captures += 1
-                return segmented
-        return self._compile(gm, example_inputs, self.sites)
+                return releasing_grads(segmented, released)
+        return releasing_grads(self._compile(gm, example_inputs, self.sites), released)
 
     def richer(self, gm: torch.fx.GraphModule, example_inputs):
         """A backend compiling each graph for its richer call sites (``self.sites.richer``)."""
