@@ -102,15 +102,24 @@ class MemoryLedger:
         self.working = 0  # the largest working set of any graph planned so far
 
     @classmethod
-    def for_device(cls, device: torch.device, optimizers: list, host_share: float = 0.0) -> "MemoryLedger":
+    def for_device(cls, device: torch.device, optimizers: list, host_share: float = 0.0,
+                   accumulating: list | None = None) -> "MemoryLedger":
         """The ledger of a step on ``device``; saved activations may also take ``host_share`` of the
-        host's memory (0: offload off). It holds the optimizers weakly:
+        host's memory (0: offload off). A step that accumulates gradients over micro-batches has
+        the gradients of the parameters ``accumulating`` alive through every forward after its
+        first, so they count as state to come. It holds the optimizers and parameters weakly:
         Dynamo's caches keep our backends, and through them this ledger, alive after the step
         is gone."""
         refs = [weakref.ref(opt) for opt in optimizers]
+        params = [weakref.ref(p) for p in accumulating or ()]
+
+        def future_state() -> int:
+            return (lazy_optimizer_state_bytes([opt for ref in refs if (opt := ref()) is not None])
+                    + gradients_to_come_bytes([p for ref in params if (p := ref()) is not None]))
+
         host = int(host_share * memory.device_bytes(torch.device("cpu")))
         return cls(memory.USABLE_FRACTION * memory.device_bytes(device), lambda: torch.cuda.memory_allocated(device),
-                   lambda: lazy_optimizer_state_bytes([opt for ref in refs if (opt := ref()) is not None]), host, device)
+                   future_state, host, device)
 
     def at_step_start(self) -> None:
         self.resident = self._allocated() + self.future_state()
@@ -145,6 +154,12 @@ def lazy_optimizer_state_bytes(optimizers: list) -> int:
             total += sum(2 * memory.tensor_bytes(getattr(p, "_local_tensor", p)) for p in group["params"]
                          if not state.get(p))
     return total
+
+
+def gradients_to_come_bytes(params: list) -> int:
+    """The gradients (their local shards, if sharded) of the parameters that train and have none yet."""
+    return sum(memory.tensor_bytes(getattr(p, "_local_tensor", p)) for p in params
+               if p.requires_grad and p.grad is None)
 
 
 class BudgetedPartitioner(CustomPartitionerFn):

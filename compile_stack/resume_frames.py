@@ -8,25 +8,30 @@ zero-grad's break: its forward and loss would run eagerly, each function they ca
 its own, the loss apart from the LM head (no fused cross-entropy: the full logits in memory).
 ``compiled_resumes`` exempts the resume frames generated from the step's code, and from those.
 A break Dynamo cannot resume from at all (``loss.backward()`` inside a loop) makes it run the step's
-own frame eagerly; ``ran_eagerly`` tells, for the pass report.
+own frame eagerly; ``ran_eagerly`` tells, for the pass report. The step's gradient-accumulation loop
+bodies, run as functions of their own (``accumulation_loops.py``), are compiled as the step is.
 """
 import contextlib
 import types
+from collections.abc import Sequence
 
 from torch._dynamo import eval_frame, resume_execution
 
 
 @contextlib.contextmanager
-def compiled_resumes(code: types.CodeType | None):
-    """While active, each resume frame Dynamo generates from ``code`` (or from one of those) is
-    compiled as ``code`` is, tensors in it or not. None: nothing changes."""
+def compiled_resumes(code: types.CodeType | None, bodies: Sequence[types.CodeType] = ()):
+    """While active, each resume frame Dynamo generates from ``code`` or from one of ``bodies`` (or
+    from one of those) is compiled as ``code`` is, tensors in it or not, and so are ``bodies``.
+    None: nothing changes."""
     cache = getattr(resume_execution, "ContinueExecutionCache", None)
     exempt = getattr(eval_frame, "always_optimize_code_objects", None)
     if code is None or cache is None or exempt is None or "lookup" not in vars(cache):  # a torch without them
         yield
         return
     original = vars(cache)["lookup"]
-    ours = [code]  # by identity: equal code objects of other functions are not ours
+    ours = [code, *bodies]  # by identity: equal code objects of other functions are not ours
+    for body in bodies:
+        exempt[body] = True
 
     def lookup(klass, resumed, *args, **kwargs):
         resume = original.__func__(klass, resumed, *args, **kwargs)

@@ -40,7 +40,7 @@ from pathlib import Path
 
 import torch
 
-from compile_stack import host_pinning, settings
+from compile_stack import accumulation_loops, host_pinning, settings
 from compile_stack.blocks import BlockCalls
 from compile_stack.budget import HOST_FRACTION, MemoryLedger
 from compile_stack.capture import PassBackend
@@ -79,16 +79,18 @@ def backend_factory(options: StepOptions, inspect: bool = True,
                              backward_now=options.backward_now, ledger=ledger)
 
 
-def step_ledger(optimizers: list, models: list, host_share: float = 0.0) -> MemoryLedger | None:
+def step_ledger(optimizers: list, models: list, host_share: float = 0.0,
+                accumulates: bool = False) -> MemoryLedger | None:
     """The memory ledger of a step whose parameters live on a GPU (its saved activations may also
-    take ``host_share`` of the host's memory); None on a CPU (the partitioner's own default budget
-    applies there)."""
+    take ``host_share`` of the host's memory; with ``accumulates``, its gradients live through its
+    forwards); None on a CPU (the partitioner's own default budget applies there)."""
     params = [p for m in models for p in m.parameters()]
     params += [p for opt in optimizers for g in getattr(opt, "param_groups", ()) for p in g["params"]]
     devices = {p.device for p in params if isinstance(p, torch.Tensor)}
     if len(devices) != 1 or next(iter(devices)).type != "cuda":
         return None
-    return MemoryLedger.for_device(next(iter(devices)), optimizers, host_share)
+    unique = list({id(p): p for p in params if isinstance(p, torch.Tensor)}.values())
+    return MemoryLedger.for_device(next(iter(devices)), optimizers, host_share, unique if accumulates else None)
 
 
 def is_optimizer(obj) -> bool:
@@ -356,7 +358,10 @@ class CompiledStep:
             settings.use_cache_dir(options.cache_dir)
         optimizers = find_reachable(train_step, is_optimizer)
         models = find_reachable(train_step, lambda obj: isinstance(obj, torch.nn.Module))
-        self.ledger = (step_ledger(optimizers, models, options.offload_host_share)
+        # The step Dynamo runs: its gradient-accumulation loop bodies, if any, functions of their own.
+        self.step = accumulation_loops.outlined(train_step) or train_step
+        self.bodies = accumulation_loops.body_codes(self.step)
+        self.ledger = (step_ledger(optimizers, models, options.offload_host_share, accumulates=bool(self.bodies))
                        if options.memory_budget is None else None)
         if self.ledger is not None and self.ledger.host_capacity:
             TRANSFERS.pool.limit(self.ledger.host_capacity)
@@ -366,11 +371,11 @@ class CompiledStep:
         self.optimizer_steps = [CompiledOptimizerStep(opt, self.optimizer_backend) for opt in optimizers]
         self.block_calls = [calls for model in (models if options.blocks else [])
                             if (calls := BlockCalls.of(model, lambda n: backend(name="block", uses=n))) is not None]
-        self.compiled = torch.compile(train_step, backend=self.backend)
+        self.compiled = torch.compile(self.step, backend=self.backend)
         # The code of the frame torch.compile runs (a bound method's function's); None for a partial
         # or a callable object, whose frames Dynamo reaches through a call of its own.
-        self.step_code = getattr(getattr(train_step, "__func__", train_step), "__code__", None)
-        self.counter_sources = global_counter_sources(train_step)
+        self.step_code = getattr(getattr(self.step, "__func__", self.step), "__code__", None)
+        self.counter_sources = global_counter_sources(self.step)
         self.targets_check = TargetsCheck()
         self.models = models
         # A model's zero-grad, like an optimizer's, runs eagerly: traced, its grad = None would land
@@ -390,7 +395,7 @@ class CompiledStep:
         self.called = True
         with contextlib.ExitStack() as stack:
             stack.enter_context(self.backend.active())  # the backward may be compiled in this call
-            stack.enter_context(compiled_resumes(self.step_code))
+            stack.enter_context(compiled_resumes(self.step_code, self.bodies))
             if self.counter_sources:
                 given = torch.compiler.config.dynamic_sources
                 stack.enter_context(torch.compiler.config.patch(
@@ -406,7 +411,11 @@ class CompiledStep:
             backend.settle_shares()  # every graph of the step has its plan now
         if pinning is not None:
             host_pinning.remember(pinning)
-        if first and ran_eagerly(self.step_code):
+        if first and self.bodies:
+            note("step", f"{len(self.bodies)} loop bod{'ies' if len(self.bodies) > 1 else 'y'} calling backward() "
+                         "ran as functions of their own, each call compiled (gradient accumulation: Dynamo runs "
+                         "the loop's own frame eagerly)")
+        if first and any(ran_eagerly(code) for code in (self.bodies or [self.step_code])):
             note("step", "Dynamo ran the step's own code eagerly (a graph break it cannot resume from, such as "
                          "loss.backward() inside a loop): the model and optimizer are compiled on their own, and "
                          "what the step computes outside them, a loss included, runs uncompiled and unfused")

@@ -417,14 +417,17 @@ def test_a_step_written_at_module_level_is_compiled_whole(loss, users_script):
 
 
 def test_a_step_dynamo_runs_eagerly_says_so():
-    """Gradient accumulation in a loop: Dynamo cannot resume after ``backward()`` inside it and runs
-    the step's frame eagerly. The model and optimizer still compile, the loss does not, and the
+    """Gradient accumulation in a loop that may ``break``: Dynamo cannot resume after ``backward()``
+    inside it and runs the step's frame eagerly, and the body cannot run as a function of its own
+    (accumulation_loops.py). The model and optimizer still compile, the loss does not, and the
     report says why; the step still equals eager. A step Dynamo compiles has no such note."""
     def accumulating(model, optimizer, micro_batches):
         def train_step():
             for inputs, targets in micro_batches:
                 loss = mean_cross_entropy(model(inputs), targets) / len(micro_batches)
                 loss.backward()
+                if not torch.isfinite(loss):
+                    break
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
             return loss
