@@ -412,9 +412,10 @@ class CompiledStep:
         if pinning is not None:
             host_pinning.remember(pinning)
         if first and self.bodies:
-            note("step", f"{len(self.bodies)} loop bod{'ies' if len(self.bodies) > 1 else 'y'} calling backward() "
-                         "ran as functions of their own, each call compiled (gradient accumulation: Dynamo runs "
-                         "the loop's own frame eagerly)")
+            several = len(self.bodies) > 1
+            note("step", f"{len(self.bodies)} loop bod{'ies' if several else 'y'} calling backward() ran as "
+                         f"{'functions of their own' if several else 'a function of its own'}, each call compiled "
+                         "(gradient accumulation: Dynamo runs the loop's own frame eagerly)")
         if first and any(ran_eagerly(code) for code in (self.bodies or [self.step_code])):
             note("step", "Dynamo ran the step's own code eagerly (a graph break it cannot resume from, such as "
                          "loss.backward() inside a loop): the model and optimizer are compiled on their own, and "
