@@ -244,10 +244,10 @@ def test_run_step_names_a_missing_user_module(tmp_path):
 def test_run_step_compiles_a_users_model_loss_and_optimizer(tmp_path):
     """Every pass fires on the user's own code, generated code and all (the tiny preset on the CPU)."""
     out = tmp_path / "out.json"
-    code = run_step.main(["--compile", "--check", "--dtype", "float32", "--steps", "1", "--warmup", "0",
-                          "--model", "tests/user_models.py:build_gpt", "--loss", "tests.user_models:token_loss",
-                          "--optimizer", "tests.user_models:MyAdamW", "--json", str(out),
-                          "--cache-dir", str(tmp_path / "cache")])
+    code = run_step.main(["--compile", "--check", "--device", "cpu", "--dtype", "float32", "--steps", "1",
+                          "--warmup", "0", "--model", "tests/user_models.py:build_gpt",
+                          "--loss", "tests.user_models:token_loss", "--optimizer", "tests.user_models:MyAdamW",
+                          "--json", str(out), "--cache-dir", str(tmp_path / "cache")])
     summary = json.loads(out.read_text())
     assert code == 0 and summary["check"]["ok"] is True
     assert summary["model"] == "tests/user_models.py:build_gpt"

@@ -23,8 +23,8 @@ def cache(tmp_path):
 @pytest.mark.slow
 def test_compiled_step_checks_inspects_profiles_and_reports(tmp_path, cache, capsys):
     out, inspect_dir, trace = tmp_path / "out.json", tmp_path / "inspect", tmp_path / "trace.json"
-    code = run_step.main(["--compile", "--check", "--steps", "2", "--warmup", "1", "--json", str(out),
-                          "--inspect", str(inspect_dir), "--profile", str(trace), *cache])
+    code = run_step.main(["--compile", "--check", "--device", "cpu", "--steps", "2", "--warmup", "1",
+                          "--json", str(out), "--inspect", str(inspect_dir), "--profile", str(trace), *cache])
     assert code == 0
     summary = json.loads(out.read_text())
     assert SUMMARY_KEYS <= summary.keys()
@@ -75,7 +75,8 @@ def test_eager_step_with_stock_comparison(tmp_path, cache, monkeypatch):
 
     monkeypatch.setattr(stock.StockStep, "__init__", init)
     out = tmp_path / "out.json"
-    assert run_step.main(["--steps", "1", "--warmup", "0", "--compare", "stock", "--json", str(out), *cache]) == 0
+    assert run_step.main(["--device", "cpu", "--steps", "1", "--warmup", "0", "--compare", "stock", "--json", str(out),
+                          *cache]) == 0
     assert freed_before_stock == [True]
     summary = json.loads(out.read_text())
     assert summary["compiled"] is False
