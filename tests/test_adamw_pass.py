@@ -170,10 +170,10 @@ def test_other_updates_are_left_alone(graphs, kind):
         torch.testing.assert_close(c, e)
 
 
-def step_side_by_side(compiled, eager, model, eager_model, steps=3):
+def step_side_by_side(compiled, eager, model, eager_model, steps=3, dynamic=None):
     """``steps`` updates with the same random grads: ``compiled`` through our passes, ``eager`` as is."""
     backend = PassBackend(PASSES, codegen=False)
-    step = torch.compile(compiled.step, backend=backend)
+    step = torch.compile(compiled.step, backend=backend, dynamic=dynamic)
     for _ in range(steps):
         for p, q in zip(model.parameters(), eager_model.parameters()):
             p.grad = torch.randn_like(p)
@@ -197,6 +197,25 @@ def test_capturable_torch_adamw_is_fused(graphs):
     eager = torch.optim.AdamW(eager_model.parameters(), **HYPER, foreach=False)
     step_side_by_side(compiled, eager, model, eager_model)
     assert registry.REPORT.replacements["adamw"] == 1
+    assert_same_state(compiled, eager, model, eager_model)
+
+
+@pytest.mark.parametrize("foreach", [False, True], ids=["for_loop", "foreach"])
+def test_an_update_of_symbolic_shapes_is_left_alone_with_a_note(graphs, foreach):
+    """Shapes traced as symbols (``dynamic=True``, parameters too) do not hash; the pass compares
+    them as expressions and leaves such an update alone, saying why, instead of failing on it.
+    (The symbols of constant value FSDP2's gradient shards bring are fused: test_distributed.py.)"""
+    model = make_model(torch.float32)
+    eager_model = copy.deepcopy(model)
+    compiled = torch.optim.AdamW(model.parameters(), **HYPER, foreach=foreach)
+    eager = torch.optim.AdamW(eager_model.parameters(), **HYPER, foreach=foreach)
+    with torch._dynamo.config.patch(force_parameter_static_shapes=False):
+        step_side_by_side(compiled, eager, model, eager_model, dynamic=True)
+    assert any(isinstance(s, torch.SymInt) for g in graphs for n in g.nodes if n.op == "placeholder"
+               and isinstance(n.meta.get("val"), torch.Tensor) for s in n.meta["val"].shape)
+    assert registry.REPORT.replacements["adamw"] == 0
+    assert registry.REPORT.notes and all(n.startswith("adamw: left") for n in registry.REPORT.notes), \
+        registry.REPORT.notes
     assert_same_state(compiled, eager, model, eager_model)
 
 

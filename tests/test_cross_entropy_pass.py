@@ -173,6 +173,24 @@ def test_non_matching_left_alone_with_note(loss_fn):
     assert any(n.startswith("cross_entropy: left") for n in REPORT.notes), REPORT.notes
 
 
+def test_a_loss_over_logits_from_another_graph_is_left_alone_with_a_note():
+    """The loss compiled apart from the LM head (the logits an input of its graph, as when FSDP2's hooks
+    break the graph at the model's call): nothing to fuse with, and the report says why."""
+    logits = torch.randn(2, 24, 97, requires_grad=True)
+    targets = torch.randint(0, 97, (2, 24))
+    REPORT.clear()
+    torch._dynamo.reset()
+    loss = torch.compile(library_mean, backend=PassBackend(passes=["cross_entropy"], codegen=False),
+                         fullgraph=True)(logits, targets)
+    loss.backward()
+    expected = logits.detach().clone().requires_grad_()
+    library_mean(expected, targets).backward()
+    torch.testing.assert_close(logits.grad, expected.grad)
+    assert REPORT.replacements["cross_entropy"] == 0
+    assert any(n.startswith("cross_entropy: left the cross-entropy over") and "another graph" in n
+               for n in REPORT.notes), REPORT.notes
+
+
 def test_frozen_hidden_only_weight_gradient():
     """The head's input needs no gradient: only d(weight) is rewired, logits still vanish."""
     vocab, d = 257, 16

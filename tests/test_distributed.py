@@ -25,6 +25,7 @@ from compile_stack.reference import cross_entropy
 from compile_stack.user_step import StepOptions
 from compile_stack.harness.user_code import make_train_step
 from compile_stack.harness.stock import StockStep
+from tests import user_models
 from tests.helpers import HAS_CUDA, rel_err
 
 WORLD = 2
@@ -34,6 +35,7 @@ CPU_CASES = {"fp32_compiled": (torch.float32, True), "bf16_compiled": (torch.bfl
              "fp32_eager": (torch.float32, False)}
 GPU_CASES = {"bf16_compiled": (torch.bfloat16, True)}
 STOCK = "stock_fp32"  # the stock step (blocks through aot_eager), sharded vs in one process
+USER = "user_fp32"  # a user's GPT, loss and torch.optim.AdamW through compile_step, sharded by the user's FSDP2
 GPU_CONFIG = PRESETS["tiny"].with_overrides(layers=2, seq=1024, d_model=1024, heads=8, d_ff=2816, vocab=32000)
 
 
@@ -46,6 +48,29 @@ def _batches(cfg, device):
 def _model(cfg, dtype, device):
     torch.manual_seed(0)
     return build_model(cfg, device, dtype)
+
+
+def _user_run(cfg, device, shard=None) -> dict:
+    """A user's own step through ``compile_step`` for STEPS steps: the model sharded with FSDP2 (a
+    group per block, then the root) and each rank on its share of the batch if ``shard`` is given."""
+    from passes import registry
+
+    torch._dynamo.reset()
+    registry.REPORT.clear()
+    torch.manual_seed(0)
+    model = user_models.build_gpt(vocab_size=cfg.vocab, context_length=cfg.seq, d_model=cfg.d_model,
+                                  num_layers=cfg.layers, num_heads=cfg.heads, d_ff=cfg.d_ff).to(device)
+    init = _to_cpu(dict(model.named_parameters()))
+    if shard is not None:
+        D.shard_blocks(model)
+    step = compile_stack.compile_step(make_train_step(model, user_models.token_loss, torch.optim.AdamW(
+        model.parameters(), lr=1e-2, weight_decay=0.1)), codegen=False)
+    if shard is None:
+        losses = [step(x, y).item() for x, y in _batches(cfg, device)]
+    else:  # each rank's mean over its share; their mean is the batch's
+        losses = [D.mean_over_ranks(step(shard(x), shard(y))).item() for x, y in _batches(cfg, device)]
+    return {"init": init, "losses": losses, "params": _to_cpu(D.full_params(model)),
+            "passes": dict(registry.REPORT.replacements), "notes": list(registry.REPORT.notes)}
 
 
 def _to_cpu(params):
@@ -88,6 +113,7 @@ def _worker(rank, port, out_dir, cfg, cases, codegen):
     out["passes"] = dict(registry.REPORT.replacements)
     if device.type == "cpu":
         out["dist"][STOCK] = _stock_run(cfg, device, shard=lambda t: D.shard_batch(t, rank, world))
+        out["dist"][USER] = _user_run(cfg, device, shard=lambda t: D.shard_batch(t, rank, world))
     # The single-process references, shared out between the ranks.
     for i, (name, (dtype, compiled)) in enumerate(cases.items()):
         if i % world != rank:
@@ -100,6 +126,8 @@ def _worker(rank, port, out_dir, cfg, cases, codegen):
         out["single"][name]["params"] = _to_cpu(dict(model.named_parameters()))
     if device.type == "cpu" and len(cases) % world == rank:
         out["single"][STOCK] = _stock_run(cfg, device)
+    if device.type == "cpu" and (len(cases) + 1) % world == rank:
+        out["single"][USER] = _user_run(cfg, device)
     torch.save(out, os.path.join(out_dir, f"rank{rank}.pt"))
     dist.barrier()
     dist.destroy_process_group()
@@ -149,6 +177,21 @@ def test_fp32_matches_single_process(cpu_run, name):
 def test_stock_step_sharded_matches_single_process(cpu_run):
     """`--compare stock` under torchrun: the stock step, sharded by FSDP2, steps as in one process."""
     _check_matches(cpu_run, STOCK, loss_tol=1e-5, param_tol=1e-5)
+
+
+def test_a_users_step_sharded_by_fsdp2_matches_single_process(cpu_run):
+    """A user's own model, loss and torch.optim.AdamW, the model sharded with FSDP2's fully_shard,
+    through ``compile_step``: it steps as in one process and its update is fused (the gradient
+    shards' sizes reach the pass as symbols). FSDP2's hooks around the model's call put the LM head
+    and the loss in different graphs: the loss is left unfused, and the report says so."""
+    _check_matches(cpu_run, USER, loss_tol=1e-5, param_tol=1e-5)
+    single = cpu_run["single"][USER]["passes"]
+    assert (single["attention"], single["cross_entropy"], single["adamw"]) == (PRESETS["tiny"].layers, 1, 1)
+    for r in cpu_run["ranks"]:
+        sharded = r["dist"][USER]
+        assert sharded["passes"]["adamw"] == 1 and sharded["passes"]["attention"] >= 1, sharded["notes"]
+        assert sharded["passes"]["cross_entropy"] == 0
+        assert any("its logits come from another graph" in n for n in sharded["notes"]), sharded["notes"]
 
 
 def test_bf16_matches_single_process(cpu_run):

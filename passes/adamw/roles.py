@@ -79,14 +79,14 @@ def _find_chains(graph: Graph, flow: _Flow) -> list[_Chain]:
         grads = {next(iter(reads[x][0] - {x})) for x in moments}
         g = next(iter(grads)) if len(grads) == 1 else None
         if len(others) != 3 or len(moments) != 2 or g is None or g in mutated or g not in others:
-            if len({tuple(fake_value(x).shape) for x in data}) == 1:  # else no elementwise update (a clip's norm)
+            if len({_shape_key(x) for x in data}) == 1:  # else no elementwise update (a clip's norm)
                 other_updates.append(f"{p.name} reads {sorted(n.name for n in data)}")
             continue
         m, v = moments  # which is which: _prove tells them apart
         if taken & {p, g, m, v}:
             note(NAME, f"left {p.name} alone: shares inputs with another update")
             continue
-        shapes = {tuple(fake_value(x).shape) for x in (p, g, m, v)}
+        shapes = {_shape_key(x) for x in (p, g, m, v)}
         if len(shapes) != 1:
             note(NAME, f"left {p.name} alone: param, grad and moments differ in shape")
             continue
@@ -99,10 +99,18 @@ def _find_chains(graph: Graph, flow: _Flow) -> list[_Chain]:
     return chains
 
 
+def _shape_key(x) -> tuple[str, ...]:
+    """A node's (or fake tensor's) sizes, comparable and hashable when some are symbols: an
+    optimizer stepping FSDP2's sharded parameters sees its gradients' local sizes as SymInts
+    (of constant value), its parameters' as ints."""
+    val = x if isinstance(x, torch.Tensor) else fake_value(x)
+    return tuple(str(d) for d in val.shape)
+
+
 def _check_elementwise(chain: _Chain, flow: _Flow) -> None:
     """NoMatch unless every value of the chain is a whitelisted elementwise op, data-dependent ones
     shaped like the param: the probes prove the update only for such ops."""
-    shape = tuple(fake_value(chain.p).shape)
+    shape = _shape_key(chain.p)
     for node, index in chain.values:
         if not _allowed(node):
             raise NoMatch(f"{node.name} ({node.target}) is not an elementwise update op")
@@ -110,5 +118,5 @@ def _check_elementwise(chain: _Chain, flow: _Flow) -> None:
         if reads_data and _base_name(node) in _DATA_FREE:
             raise NoMatch(f"{node.name} compares data")
         val = fake_value(node, index)
-        if reads_data and not (isinstance(val, torch.Tensor) and tuple(val.shape) == shape):
+        if reads_data and not (isinstance(val, torch.Tensor) and _shape_key(val) == shape):
             raise NoMatch(f"{node.name} is not shaped like the parameter")

@@ -36,7 +36,10 @@ def _find(graph):
         if loss is None:
             continue
         proj = _projection(loss)
-        if proj is None or proj[0] in taken:
+        if proj is None:
+            _note_logits_from_another_graph(loss)
+            continue
+        if proj[0] in taken:
             continue
         projection, row_ops = proj
         taken.add(projection)
@@ -89,6 +92,16 @@ def _logits_returned(projection) -> bool:
 
 def tangents_of(graph):
     return [n for n in graph.nodes if n.op == "placeholder" and n.target.startswith("tangents")]
+
+
+def _note_logits_from_another_graph(loss):
+    """Note a recognised loss whose logits are an input of this graph: the LM head ran in another,
+    so there is no projection to fuse with (a graph break between the model's call and the loss)."""
+    base, _ = _through_views(loss.logits, allow_convert=True, ops=_HEAD_TO_LOGITS)
+    if base.op == "placeholder":
+        note(PASS, f"left the cross-entropy over {base} alone: its logits come from another graph (a graph break "
+                   "between the LM head and the loss, such as FSDP2's hooks around a sharded model's call), so "
+                   "they are made in full and the loss is not fused")
 
 
 def _note_unmatched_softmaxes(graph, taken):
