@@ -201,10 +201,12 @@ def test_capturable_torch_adamw_is_fused(graphs):
 
 
 @pytest.mark.parametrize("foreach", [False, True], ids=["for_loop", "foreach"])
-def test_an_update_of_symbolic_shapes_is_left_alone_with_a_note(graphs, foreach):
+def test_an_update_of_symbolic_shapes_is_fused_or_left_alone_with_a_note(graphs, foreach):
     """Shapes traced as symbols (``dynamic=True``, parameters too) do not hash; the pass compares
-    them as expressions and leaves such an update alone, saying why, instead of failing on it.
-    (The symbols of constant value FSDP2's gradient shards bring are fused: test_distributed.py.)"""
+    them as expressions instead of failing on them, and either fuses the update (torch 2.11's
+    foreach form) or leaves it alone saying why (where the probes meet symbolic sizes). Either way
+    the update equals eager's. (The constant-valued symbols of FSDP2's gradient shards are fused:
+    test_distributed.py.)"""
     model = make_model(torch.float32)
     eager_model = copy.deepcopy(model)
     compiled = torch.optim.AdamW(model.parameters(), **HYPER, foreach=foreach)
@@ -213,9 +215,9 @@ def test_an_update_of_symbolic_shapes_is_left_alone_with_a_note(graphs, foreach)
         step_side_by_side(compiled, eager, model, eager_model, dynamic=True)
     assert any(isinstance(s, torch.SymInt) for g in graphs for n in g.nodes if n.op == "placeholder"
                and isinstance(n.meta.get("val"), torch.Tensor) for s in n.meta["val"].shape)
-    assert registry.REPORT.replacements["adamw"] == 0
-    assert registry.REPORT.notes and all(n.startswith("adamw: left") for n in registry.REPORT.notes), \
-        registry.REPORT.notes
+    notes = registry.REPORT.notes
+    assert not any("failed" in n for n in notes), notes
+    assert registry.REPORT.replacements["adamw"] == 1 or (notes and all(n.startswith("adamw: left") for n in notes))
     assert_same_state(compiled, eager, model, eager_model)
 
 
