@@ -218,8 +218,8 @@ def _read_names(stmt: ast.stmt) -> set[str]:
 
 
 def _assigned_names(stmts: list[ast.stmt]) -> set[str]:
-    """Names the statements bind in their own scope (comprehensions have theirs)."""
-    names = set()
+    """Names the statements bind in their own scope (comprehensions have theirs, but for ``:=``)."""
+    names = {node.target.id for node in _own_nodes(stmts) if isinstance(node, ast.NamedExpr)}
     for node in _own_nodes(stmts, SCOPES + COMPREHENSIONS):
         if isinstance(node, ast.Name) and isinstance(node.ctx, (ast.Store, ast.Del)):
             names.add(node.id)

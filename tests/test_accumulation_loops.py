@@ -85,8 +85,8 @@ class Loss:
 
 def test_the_outlined_step_computes_what_the_step_did():
     """Names the body shares with the step (a total, a value carried from the previous iteration,
-    the last iteration's value read after the loop) behave as before; one only the body uses
-    stays its own; line numbers are the step's."""
+    the last iteration's value read after the loop, one a comprehension's ``:=`` binds) behave as
+    before; one only the body uses stays its own; line numbers are the step's."""
     log = []
 
     def step(values, scale=2):
@@ -99,7 +99,8 @@ def test_the_outlined_step_computes_what_the_step_did():
             previous = scratch
             Loss(log, scratch + carried).backward()
             total += scratch
-        return total, previous, log[-1]
+            _ = [last := s for s in (scratch, carried) if s]  # binds last in the step's scope
+        return total, previous, log[-1], last
 
     rewritten = accumulation_loops.outlined(step)
     assert rewritten is not None and rewritten.__code__.co_firstlineno == step.__code__.co_firstlineno
