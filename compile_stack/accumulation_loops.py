@@ -19,11 +19,13 @@ own: forward and loss as one graph, the backward derived from it.
 
 A body is left as written when it could leave its loop other than by running
 to its end or by ``continue`` (``break``, ``return``, ``yield``, ``await``),
-or declares names itself; a step without source (a lambda, a C function) is
-left as written. The new function has the step's closure cells, globals,
+or declares names itself; a step without source (a lambda, a C function), or
+whose source no longer compiles to the code that runs (its file edited since it
+was imported), is left as written. The new function has the step's closure cells, globals,
 defaults and line numbers.
 """
 import ast
+import copy
 import inspect
 import sys
 import textwrap
@@ -52,6 +54,10 @@ def outlined(step: Callable) -> Callable | None:
     if len(tree.body) != 1 or not isinstance(tree.body[0], ast.FunctionDef) or tree.body[0].name != fn.__name__:
         return None
     func = tree.body[0]
+    func.decorator_list = []
+    as_written = _compiled(copy.deepcopy(func), fn, first)
+    if as_written is None or _names_and_constants(as_written) != _names_and_constants(fn.__code__):
+        return None  # the source on disk is not what runs (edited since, or another function's)
     declared_global = {n for node in _own_nodes(func.body) if isinstance(node, ast.Global) for n in node.names}
     rewriter = _LoopRewriter(func, declared_global)
     func.body = rewriter.statements(func.body)
@@ -61,17 +67,7 @@ def outlined(step: Callable) -> Callable | None:
         func.body.append(ast.If(test=ast.Constant(False), orelse=[], body=[
             ast.Assign(targets=[ast.Name(name, ast.Store())], value=ast.Constant(None))
             for name in sorted(rewriter.shared)]))
-    func.decorator_list = []
-    factory = ast.FunctionDef(name="_cstack_factory", args=ast.arguments(
-        posonlyargs=[], args=[ast.arg(name) for name in fn.__code__.co_freevars], kwonlyargs=[], kw_defaults=[],
-        defaults=[]), body=[func], decorator_list=[], returns=None, **TYPE_PARAMS)
-    module = ast.fix_missing_locations(ast.Module(body=[factory], type_ignores=[]))
-    ast.increment_lineno(module, first - 1)
-    try:
-        code = compile(module, fn.__code__.co_filename, "exec")
-    except SyntaxError:
-        return None
-    new_code = _nested_code(_nested_code(code, "_cstack_factory"), fn.__name__)
+    new_code = _compiled(func, fn, first)
     cells = dict(zip(fn.__code__.co_freevars, fn.__closure__ or ()))
     if new_code is None or not set(new_code.co_freevars) <= set(cells):
         return None
@@ -82,6 +78,30 @@ def outlined(step: Callable) -> Callable | None:
     new.__dict__.update(fn.__dict__)
     owner = getattr(step, "__self__", None)
     return types.MethodType(new, owner) if owner is not None and step is not fn else new
+
+
+def _compiled(func: ast.FunctionDef, fn: types.FunctionType, first: int) -> types.CodeType | None:
+    """The code of ``func`` compiled where ``fn`` was: in ``fn``'s file at its lines, nested in a
+    function whose locals are ``fn``'s free variables (so they stay free); None if it does not compile."""
+    factory = ast.FunctionDef(name="_cstack_factory", args=ast.arguments(
+        posonlyargs=[], args=[ast.arg(name) for name in fn.__code__.co_freevars], kwonlyargs=[], kw_defaults=[],
+        defaults=[]), body=[func], decorator_list=[], returns=None, **TYPE_PARAMS)
+    module = ast.fix_missing_locations(ast.Module(body=[factory], type_ignores=[]))
+    ast.increment_lineno(module, first - 1)
+    try:
+        code = compile(module, fn.__code__.co_filename, "exec")
+    except SyntaxError:
+        return None
+    return _nested_code(_nested_code(code, "_cstack_factory"), fn.__name__)
+
+
+def _names_and_constants(code: types.CodeType) -> tuple:
+    """What a function's source fixes of its code however it was compiled (an import hook such as
+    pytest's assertion rewriting changes the bytecode, not these), its nested functions' included."""
+    nested = [c for c in code.co_consts if isinstance(c, types.CodeType)]
+    constants = [repr(c) for c in code.co_consts if not isinstance(c, types.CodeType)]
+    return (code.co_name, code.co_varnames, code.co_names, code.co_freevars, code.co_cellvars, sorted(constants),
+            [_names_and_constants(c) for c in nested])
 
 
 def body_codes(step: Callable) -> list[types.CodeType]:

@@ -1,5 +1,6 @@
 """Gradient accumulation written as a loop in the step: the loss is fused, the step equals eager."""
 import copy
+import linecache
 
 import pytest
 import torch
@@ -135,6 +136,18 @@ def _returns_inside(losses):
                                 print])
 def test_steps_outlining_cannot_keep_equal_are_left_as_written(fn):
     assert accumulation_loops.outlined(fn) is None
+
+
+def test_a_step_whose_source_is_not_what_runs_is_left_as_written(tmp_path, monkeypatch):
+    """The source file edited after the step was defined: rewriting it would run other code."""
+    script = tmp_path / "users_script.py"
+    script.write_text("def step(losses):\n    for loss in losses:\n        loss.backward()\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    module = __import__("users_script")
+    assert accumulation_loops.outlined(module.step) is not None
+    script.write_text("def step(losses):\n    for loss in losses:\n        loss.backward()\n        print(loss)\n")
+    linecache.checkcache(str(script))
+    assert accumulation_loops.outlined(module.step) is None
 
 
 def test_the_gradients_to_come_count_for_an_accumulating_step():
