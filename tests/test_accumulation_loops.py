@@ -10,8 +10,7 @@ import compile_stack
 from compile_stack import accumulation_loops
 from compile_stack.budget import gradients_to_come_bytes
 from passes import registry
-from tests import user_models
-from tests.user_corpus import STATE_TOLERANCE, TOLERANCE, VOCAB, batches, state_tensors
+from tests.user_corpus import STATE_TOLERANCE, TOLERANCE, batches, fresh_gpt, state_tensors
 
 
 def over_a_list(model, optimizer, micro_batches):
@@ -52,11 +51,7 @@ def over_chunks(model, optimizer, micro_batches):
 
 @pytest.mark.parametrize("make_step", [over_a_list, over_chunks])
 def test_an_accumulation_loop_fuses_its_loss_and_equals_eager(make_step):
-    torch._dynamo.reset()
-    registry.REPORT.clear()
-    torch.manual_seed(0)
-    model = user_models.build_gpt(vocab_size=VOCAB, context_length=16, d_model=32, num_layers=2, num_heads=2,
-                                  d_ff=48)
+    model = fresh_gpt()
     eager_model = copy.deepcopy(model)
     micro_batches = batches(2)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)

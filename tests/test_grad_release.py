@@ -10,8 +10,7 @@ import torch.nn.functional as F
 import compile_stack
 from compile_stack.grad_release import grads_set_to_none
 from passes import registry
-from tests import user_models
-from tests.user_corpus import TOLERANCE, VOCAB, batches, mean_cross_entropy
+from tests.user_corpus import TOLERANCE, batches, fresh_gpt, mean_cross_entropy
 
 # Weak references to the gradients the previous step left; the probe counts those still alive
 # when the compiled forward reaches it.
@@ -61,11 +60,7 @@ def helper_and_list(model, optimizer):
 
 def run(make_step, steps: int = 3, codegen: bool = False):
     """The step compiled and eagerly, from one seed; the compiled step's probe counts."""
-    torch._dynamo.reset()
-    registry.REPORT.clear()
-    torch.manual_seed(0)
-    model = user_models.build_gpt(vocab_size=VOCAB, context_length=16, d_model=32, num_layers=2, num_heads=2,
-                                  d_ff=48)
+    model = fresh_gpt()
     eager_model = copy.deepcopy(model)
     compiled = compile_stack.compile_step(make_step(model, torch.optim.SGD(model.parameters(), lr=1e-2)),
                                           codegen=codegen)

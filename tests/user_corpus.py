@@ -38,6 +38,17 @@ def adamw(params):
     return torch.optim.AdamW(params, lr=1e-2, weight_decay=0.1)
 
 
+def fresh_gpt(layers: int = 2):
+    """``tests.user_models``' GPT at a tiny size, from seed 0, with Dynamo and the pass report reset."""
+    from tests import user_models
+
+    torch._dynamo.reset()
+    registry.REPORT.clear()
+    torch.manual_seed(0)
+    return user_models.build_gpt(vocab_size=VOCAB, context_length=16, d_model=32, num_layers=layers, num_heads=2,
+                                 d_ff=48)
+
+
 def batches(steps: int, vocab: int = VOCAB, seq: int = SEQ, batch: int = BATCH):
     generator = torch.Generator().manual_seed(1234)
     return [(torch.randint(vocab, (batch, seq), generator=generator),
