@@ -21,8 +21,8 @@ A body is left as written when it could leave its loop other than by running
 to its end or by ``continue`` (``break``, ``return``, ``yield``, ``await``),
 or declares names itself; a step without source (a lambda, a C function), or
 whose source no longer compiles to the code that runs (its file edited since it
-was imported), is left as written. The new function has the step's closure cells, globals,
-defaults and line numbers.
+was imported), is left as written. The new function has the step's closure
+cells, globals, defaults and line numbers.
 """
 import ast
 import copy
@@ -104,9 +104,8 @@ def _names_and_constants(code: types.CodeType) -> tuple:
             [_names_and_constants(c) for c in nested])
 
 
-def body_codes(step: Callable) -> list[types.CodeType]:
-    """The code of each loop body ``outlined`` made a function of its own in ``step``."""
-    code = getattr(getattr(step, "__func__", step), "__code__", None)
+def body_codes(code: types.CodeType | None) -> list[types.CodeType]:
+    """The code of each loop body ``outlined`` made a function of its own in a step of ``code``."""
     return [c for c in (code.co_consts if code is not None else ())
             if isinstance(c, types.CodeType) and c.co_name.startswith(BODY_PREFIX)]
 

@@ -89,8 +89,8 @@ def step_ledger(optimizers: list, models: list, host_share: float = 0.0,
     devices = {p.device for p in params if isinstance(p, torch.Tensor)}
     if len(devices) != 1 or next(iter(devices)).type != "cuda":
         return None
-    unique = list({id(p): p for p in params if isinstance(p, torch.Tensor)}.values())
-    return MemoryLedger.for_device(next(iter(devices)), optimizers, host_share, unique if accumulates else None)
+    accumulating = list({id(p): p for p in params if isinstance(p, torch.Tensor)}.values()) if accumulates else None
+    return MemoryLedger.for_device(next(iter(devices)), optimizers, host_share, accumulating)
 
 
 def is_optimizer(obj) -> bool:
@@ -360,7 +360,10 @@ class CompiledStep:
         models = find_reachable(train_step, lambda obj: isinstance(obj, torch.nn.Module))
         # The step Dynamo runs: its gradient-accumulation loop bodies, if any, functions of their own.
         self.step = accumulation_loops.outlined(train_step) or train_step
-        self.bodies = accumulation_loops.body_codes(self.step)
+        # The code of the frame torch.compile runs (a bound method's function's); None for a partial
+        # or a callable object, whose frames Dynamo reaches through a call of its own.
+        self.step_code = getattr(getattr(self.step, "__func__", self.step), "__code__", None)
+        self.bodies = accumulation_loops.body_codes(self.step_code)
         self.ledger = (step_ledger(optimizers, models, options.offload_host_share, accumulates=bool(self.bodies))
                        if options.memory_budget is None else None)
         if self.ledger is not None and self.ledger.host_capacity:
@@ -372,9 +375,6 @@ class CompiledStep:
         self.block_calls = [calls for model in (models if options.blocks else [])
                             if (calls := BlockCalls.of(model, lambda n: backend(name="block", uses=n))) is not None]
         self.compiled = torch.compile(self.step, backend=self.backend)
-        # The code of the frame torch.compile runs (a bound method's function's); None for a partial
-        # or a callable object, whose frames Dynamo reaches through a call of its own.
-        self.step_code = getattr(getattr(self.step, "__func__", self.step), "__code__", None)
         self.counter_sources = global_counter_sources(self.step)
         self.targets_check = TargetsCheck()
         self.models = models

@@ -105,7 +105,7 @@ def test_the_outlined_step_computes_what_the_step_did():
         expected, expected_log = step(values), list(log)
         log.clear()
         assert rewritten(values) == expected and log == expected_log
-    (body,) = accumulation_loops.body_codes(rewritten)
+    (body,) = accumulation_loops.body_codes(rewritten.__code__)
     assert set(body.co_freevars) >= {"total", "previous"} and "scratch" in body.co_varnames
 
 

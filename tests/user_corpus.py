@@ -21,6 +21,7 @@ import torch.nn.functional as F
 
 import compile_stack
 from passes import registry
+from tests import user_models
 
 VOCAB, SEQ, BATCH = 37, 12, 2  # odd sizes: nothing lines up by accident
 TOLERANCE = dict(rtol=1e-4, atol=1e-5)  # fp32 losses and gradients; a wrong rewrite moves them by O(1)
@@ -40,8 +41,6 @@ def adamw(params):
 
 def fresh_gpt(layers: int = 2):
     """``tests.user_models``' GPT at a tiny size, from seed 0, with Dynamo and the pass report reset."""
-    from tests import user_models
-
     torch._dynamo.reset()
     registry.REPORT.clear()
     torch.manual_seed(0)
