@@ -9,9 +9,7 @@ repeated blocks (``blocks.py``). It keeps the pass report true across warm
 starts: when Inductor's caches serve a graph our passes do not run, so the
 backend stores each graph's counts and notes (with a digest) under a key of
 the graph's code and the passes' identity, replays them on a cache hit, and
-reports the counts unknown where no valid record exists. A graph compiled
-into the caches before (``compiled_marker``) is compiled without Inductor's
-worker processes, which a graph the caches serve does not need.
+reports the counts unknown where no valid record exists.
 
 ``PassBackend(codegen=False)`` runs the same stages on the same graphs —
 our pre-grad passes, AOTAutograd with Inductor's decompositions, our joint
@@ -81,9 +79,8 @@ class PassBackend:
         self.writer = writer
 
     @contextlib.contextmanager
-    def active(self, on_gpu: bool = False, cached: bool = False):
-        """Our passes, settings and inspection hooks in force (``on_gpu``: for a graph on a GPU;
-        ``cached``: for one the caches are expected to serve, ``settings.inductor_options``).
+    def active(self, on_gpu: bool = False):
+        """Our passes, settings and inspection hooks in force (``on_gpu``: for a graph on a GPU).
 
         The step runs inside this too: AOTAutograd may compile a backward
         graph lazily, at the first ``backward()``.
@@ -92,7 +89,7 @@ class PassBackend:
         with (
             registry.installed([p.name for p in self.pass_list], observer, stages=("joint", "post_grad")),
             settings.memory_budget(self.memory_budget),
-            settings.inductor_config(on_gpu, cached),
+            settings.inductor_config(on_gpu),
             inspection.capture_output_code(self.writer),
         ):
             yield
@@ -128,10 +125,9 @@ class PassBackend:
         # Inspecting: the backward's code is filed under this graph only if compiled now.
         backward_now = torch._functorch.config.patch(
             force_non_lazy_backward_lowering=self.backward_now or self.writer is not None)
-        report_key = self._report_key(gm)
         partitioner = key = identity = None
         if self.ledger is not None:
-            key = f"{self.name}:{report_key.stem}"
+            key = f"{self.name}:{self._report_key(gm).stem}"
             partitioner = BudgetedPartitioner(self.ledger, key, sites.count, richer=sites.share if richer else None)
             identity = partitioner.uuid()  # before the compile reserves, as Inductor's cache key has it
         compile_graph = functools.partial(compile_fx if self.codegen else self._compile_without_codegen,
@@ -141,17 +137,13 @@ class PassBackend:
         # (custom_ops/activation_offload/transfers.py), but Inductor's in-graph reuse of a freed
         # buffer would write into it.
         offloading = self.ledger is not None and self.ledger.host_capacity > 0
-        compiled_mark = compiled_marker(report_key, identity) if self.codegen else None
-        cached = compiled_mark is not None and compiled_mark.exists()
-        with (self.active(settings.on_gpu(example_inputs), cached), backward_now,
+        with (self.active(settings.on_gpu(example_inputs)), backward_now,
               torch._inductor.config.patch(custom_partitioner_fn=partitioner,
                                            **({"allow_buffer_reuse": False} if offloading else {}))):
             if graph_returns_tuple(gm):
                 compiled = compile_graph(gm, example_inputs)
             else:  # a segment returning one value
                 compiled = make_graph_return_tuple(gm, example_inputs, compile_graph)
-        if compiled_mark is not None and not cached:
-            settings.write_record(compiled_mark, {})
         if richer:  # the first compile's passes and notes stand for both
             report.replacements, report.notes[:] = counts_before, report.notes[:notes_before]
         else:
@@ -291,15 +283,6 @@ def report_dir() -> Path:
     """Where graphs' pass records live: inside Inductor's cache directory, beside the compiled
     artifacts they describe, so a warm cache comes with them wherever that directory is."""
     return Path(cache_dir_utils.cache_dir()) / "cstack_pass_reports"
-
-
-def compiled_marker(report_key: Path, identity: str | None) -> Path:
-    """Where a record says that Inductor compiled a graph (its pass record's key: its code and our
-    passes; its partitioner's identity: its plan) into these caches with this torch and Triton,
-    so that a later compile of it will be served from them."""
-    versions = f"{torch.__version__}:{settings.triton_version()}"
-    digest = hashlib.sha256(f"{report_key.stem}\n{identity}\n{versions}".encode()).hexdigest()[:32]
-    return Path(cache_dir_utils.cache_dir()) / "cstack_compiled" / f"{digest}.json"
 
 
 def _digest(key: Path, payload: dict) -> str:

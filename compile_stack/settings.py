@@ -19,7 +19,6 @@
   (``write_record``) and read as None when missing or damaged (``read_record``).
 """
 import contextlib
-import importlib.metadata
 import json
 import os
 import shutil
@@ -102,31 +101,17 @@ def read_record(path: Path):
         return None
 
 
-def inductor_options(on_gpu: bool = False, cached: bool = False) -> dict:
-    """Inductor config for our compiles; ``on_gpu``: for a graph whose inputs live on a GPU;
-    ``cached``: for a graph the caches are expected to serve (compiled into them before).
-
-    A graph to compile gets Inductor's worker processes, which build its Triton kernels in
-    parallel. A graph the caches serve gets none: it only loads built kernels, which the
-    process does as fast itself, and its first load would start the pool (a process per CPU,
-    each importing torch) for nothing. A warm start of the full step took 19.0 and 20.4 s
-    without the pool, 21.5 and 25.3 with it, on one H200 machine (BENCHMARKS.md)."""
+def inductor_options(on_gpu: bool = False) -> dict:
+    """Inductor config for our compiles; ``on_gpu``: for a graph whose inputs live on a GPU."""
     options = {
         "max_autotune": False,
         "fx_graph_cache": True,
-        "compile_threads": 1 if cached else max(1, min(32, os.cpu_count() or 1)),
+        # Compile Triton kernels in parallel worker processes.
+        "compile_threads": max(1, min(32, os.cpu_count() or 1)),
     }
     if on_gpu:
         options["cpp.vec_isa_ok"] = False  # no ISA probe for its scalar C++ kernels (module docstring)
     return options
-
-
-def triton_version() -> str:
-    """The installed Triton's version ("" without Triton): Inductor's caches are keyed by it."""
-    try:
-        return importlib.metadata.version("triton")
-    except importlib.metadata.PackageNotFoundError:
-        return ""
 
 
 def forget_vec_isas() -> None:
@@ -139,15 +124,15 @@ def forget_vec_isas() -> None:
 
 
 @contextlib.contextmanager
-def inductor_config(on_gpu: bool = False, cached: bool = False):
-    """``inductor_options(on_gpu, cached)`` in force. Inductor remembers the host's vector ISAs for the
+def inductor_config(on_gpu: bool = False):
+    """``inductor_options(on_gpu)`` in force. Inductor remembers the host's vector ISAs for the
     process once it has looked; a GPU graph looks afresh (finding none, without the probe) and
     its look is forgotten after it, so a CPU graph compiled later in the process still gets its
     vector ISA."""
     if on_gpu:
         forget_vec_isas()
     try:
-        with torch._inductor.config.patch(inductor_options(on_gpu, cached)):
+        with torch._inductor.config.patch(inductor_options(on_gpu)):
             yield
     finally:
         if on_gpu:
