@@ -25,6 +25,9 @@ from custom_ops import adamw, attention, linear_cross_entropy, rope
     ("triton_red_fused__to_copy_add_mean_mul_pow_rsqrt_0", "elementwise_norm"),
     ("triton_poi_fused_mul_silu_1", "elementwise_norm"),
     ("ncclDevKernel_ReduceScatter_Sum_bf16_RING_LL", "communication"),
+    ("Memcpy DtoH (Device -> Pinned)", "host_copies"),
+    ("Memcpy HtoD (Pinned -> Device)", "host_copies"),
+    ("Memcpy DtoD (Device -> Device)", "other"),
     ("some_unknown_kernel", "other"),
 ])
 def test_kernels_land_in_their_category(kernel, category):
@@ -57,3 +60,20 @@ def test_gpu_breakdown_counts_kernels_once():
     assert "_attn_fwd_kernel" in format_breakdown(result)
     cpu = breakdown(events, PRESETS["tiny"], on_device=False)
     assert cpu["matmul"]["ms"] == 0.02 and cpu["attention"]["ms"] == 0.03
+
+
+def test_host_copies_run_beside_compute_and_stay_out_of_its_shares():
+    """With activation offload on, the copies to and from host memory take about as long as the
+    kernels, on the copy engines beside them: the compute categories' shares are of the compute
+    alone (they add up to 1), the copies' share is against the same total."""
+    def kernel(key, us):
+        return SimpleNamespace(key=key, device_type=DeviceType.CUDA, self_device_time_total=us,
+                               self_cpu_time_total=0.0, count=1, is_user_annotation=False)
+
+    events = [kernel("_attn_bwd_hopper_kernel", 3000.0), kernel("nvjet_tst_192x192_64x3_2x1_v_bz_coopB_NNN", 1000.0),
+              kernel("Memcpy DtoH (Device -> Pinned)", 1500.0), kernel("Memcpy HtoD (Pinned -> Device)", 500.0)]
+    result = breakdown(events, PRESETS["tiny"], on_device=True)
+    assert (result["attention"]["share"], result["matmul"]["share"]) == (0.75, 0.25)
+    assert result["host_copies"] == {"ms": 2.0, "share": 0.5, "calls": 2}
+    assert result["other"]["ms"] == 0
+    assert "beside compute" in format_breakdown(result)

@@ -5,10 +5,14 @@ Kernels are put in categories by name: our kernels carry the op's name
 (the LM head's, inside the cross-entropy op, too),
 Inductor's generated kernels (``triton_poi``/``triton_red``/``triton_per``),
 our RoPE kernel (``_rope_kernel``) and torch's elementwise kernels are elementwise/norm, NCCL kernels are
-communication. Each category gets its share of device time, its number of
-kernel launches and, where its work is known from the config, the rate it
-achieved; the largest kernels are listed by name (a recomputed op shows up
-as more launches than the model has layers).
+communication, and copies to and from host memory (activation offload's
+transfers) are host copies. Each category gets its share of the device's
+compute (every category but host copies, which run on the copy engines beside
+the kernels, so that with offload on the shares still say where the step's
+time went; theirs is against the same total), its number of kernel launches
+and, where its work is known from the config, the rate it achieved; the
+largest kernels are listed by name (a recomputed op shows up as more
+launches than the model has layers).
 
 Under torchrun, ``profile_overlap`` says how much of the step's communication
 ran under compute (``comm_overlap`` in the summary).
@@ -26,8 +30,12 @@ from compile_stack.config import ModelConfig
 from compile_stack.harness.report import log
 
 TOP_KERNELS = 12
-CATEGORIES = ("attention", "matmul", "cross_entropy", "optimizer", "elementwise_norm", "communication", "other")
+CATEGORIES = ("attention", "matmul", "cross_entropy", "optimizer", "elementwise_norm", "communication", "host_copies",
+              "other")
+# Not compute: copies to or from host memory run beside the kernels (``breakdown``'s shares).
+BESIDE_COMPUTE = ("host_copies",)
 _PATTERNS = [
+    ("host_copies", r"memcpy (htod|dtoh)"),
     ("attention", r"attn|attention|flash|fmha|sdpa"),
     ("cross_entropy", r"xent|cross_entropy"),
     ("optimizer", r"adam"),
@@ -96,7 +104,8 @@ def is_device_work(event) -> bool:
 
 def breakdown(events, cfg: ModelConfig, on_device: bool | None = None) -> dict:
     """Time per category: of the device's work on a GPU (CPU ops and annotation spans are left
-    out there, since they repeat the kernels under them), of the CPU ops' self time without one."""
+    out there, since they repeat the kernels under them), of the CPU ops' self time without one.
+    Shares are of the compute categories' total: the shares of all but host copies add up to 1."""
     on_device = torch.cuda.is_available() if on_device is None else on_device
     totals, calls, per_kernel = defaultdict(float), defaultdict(int), []
     for event in events:
@@ -111,7 +120,7 @@ def breakdown(events, cfg: ModelConfig, on_device: bool | None = None) -> dict:
             totals[category] += us
             calls[category] += event.count
             per_kernel.append((us, event.key, event.count))
-    total_us = sum(totals.values()) or 1.0
+    total_us = sum(us for category, us in totals.items() if category not in BESIDE_COMPUTE) or 1.0
     work = _known_work(cfg)
     result = {}
     for category in CATEGORIES:
@@ -133,7 +142,8 @@ def format_breakdown(result: dict) -> str:
     lines = [f"{'category':<18}{'ms':>12}{'share':>8}{'calls':>8}  rate"]
     for category in CATEGORIES:
         row = result[category]
-        rate = next((f"{v} {k}" for k, v in row.items() if k.endswith("/s")), "")
+        rate = next((f"{v} {k}" for k, v in row.items() if k.endswith("/s")),
+                    "beside compute" if category in BESIDE_COMPUTE else "")
         lines.append(f"{category:<18}{row['ms']:>12.1f}{row['share']:>8.1%}{row['calls']:>8}  {rate}")
     lines.append(f"largest kernels:{'ms':>14}{'calls':>8}")
     for kernel in result["largest"]:
