@@ -55,14 +55,15 @@ def outlined(step: Callable) -> Callable | None:
         return None
     func = tree.body[0]
     func.decorator_list = []
-    as_written = _compiled(copy.deepcopy(func), fn, first)
-    if as_written is None or _names_and_constants(as_written) != _names_and_constants(fn.__code__):
-        return None  # the source on disk is not what runs (edited since, or another function's)
+    original = copy.deepcopy(func)
     declared_global = {n for node in _own_nodes(func.body) if isinstance(node, ast.Global) for n in node.names}
     rewriter = _LoopRewriter(func, declared_global)
     func.body = rewriter.statements(func.body)
     if not rewriter.bodies:
         return None
+    as_written = _compiled(original, fn, first)
+    if as_written is None or _names_and_constants(as_written) != _names_and_constants(fn.__code__):
+        return None  # the source on disk is not what runs (edited since, or another function's)
     if rewriter.shared:  # bound in the step (after its declarations), so the bodies' ``nonlocal`` finds them; never run
         func.body.append(ast.If(test=ast.Constant(False), orelse=[], body=[
             ast.Assign(targets=[ast.Name(name, ast.Store())], value=ast.Constant(None))
