@@ -10,8 +10,7 @@ from torch.fx.experimental.symbolic_shapes import ShapeEnv
 import compile_stack
 from compile_stack import blocks
 from compile_stack.block_fakes import FakeOutput, call_key
-from tests import user_models
-from tests.user_corpus import VOCAB, batches, make_train_step, mean_cross_entropy
+from tests.user_corpus import VOCAB, batches, fresh_gpt, make_train_step, mean_cross_entropy
 
 
 def fake_runs(monkeypatch) -> list:
@@ -30,10 +29,7 @@ def test_identical_blocks_run_on_fakes_once_in_all_traces(monkeypatch):
     """Dynamo traces the forward twice (again after its graph break at backward()); 4 blocks would
     run on fake tensors 8 times, the first answers for all."""
     runs = fake_runs(monkeypatch)
-    torch._dynamo.reset()
-    torch.manual_seed(0)
-    model = user_models.build_gpt(vocab_size=VOCAB, context_length=16, d_model=32, num_layers=4, num_heads=2,
-                                  d_ff=48)
+    model = fresh_gpt(layers=4)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     step = compile_stack.compile_step(make_train_step(model, mean_cross_entropy, optimizer), codegen=False)
     for inputs, targets in batches(2):
