@@ -3,7 +3,7 @@
     python run_step.py                 # eager reference step, default preset
     python run_step.py --compile       # compiled: our passes + Triton kernels + Inductor
     python run_step.py --compile --model mymodels:build_gpt --loss mymodels:my_loss   # your own code
-    torchrun --nproc-per-node 2 run_step.py --compile   # data parallel, FSDP2-sharded (compile_stack/distributed.py)
+    torchrun --nproc-per-node 2 run_step.py --compile   # data parallel, FSDP2-sharded (compile_stack/distributed/)
 
 Prints the config, compile time, median step time, tokens/s, peak memory, MFU,
 the loss and what each of our passes replaced. See --help for the options.
@@ -16,8 +16,8 @@ from pathlib import Path
 
 import torch
 
-from compile_stack import settings
-from compile_stack.config import PRESETS
+from compile_stack import caches
+from compile_stack.capture.targets import raise_on_bad_targets
 from compile_stack.harness.build import build_step, use_caches
 from compile_stack.harness.check import check_against_eager
 from compile_stack.harness.compare import compare_stock
@@ -28,7 +28,7 @@ from compile_stack.harness.plan import plan_run
 from compile_stack.harness.profiling import profile_overlap, profile_rank
 from compile_stack.harness.report import is_rank0, pass_summary, print_summary, write_summary
 from compile_stack.harness.user_code import StepCode
-from compile_stack.targets import raise_on_bad_targets
+from compile_stack.workloads.config import PRESETS
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -65,7 +65,7 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="also run the eager reference step from the same weights and data and report relative errors")
     p.add_argument("--inspect", type=Path, metavar="DIR", help="write graphs before/after our passes and Inductor's code to DIR")
     p.add_argument("--json", type=Path, metavar="FILE", help="write a machine-readable summary to FILE")
-    p.add_argument("--cache-dir", type=Path, help=f"compile caches (default: ${settings.CACHE_ENV} or ~/.cache/compile_stack)")
+    p.add_argument("--cache-dir", type=Path, help=f"compile caches (default: ${caches.CACHE_ENV} or ~/.cache/compile_stack)")
     p.add_argument("--fresh-cache", action="store_true", help="start from empty compile caches (a cold start)")
     p.add_argument("--compare", choices=("stock",),
                    help="also time the step built from stock PyTorch parts, in this process once ours is freed "

@@ -16,7 +16,7 @@ import torch
 import triton
 
 from benchmarks.results import append_result
-from compile_stack.memory import GIB
+from compile_stack.memory_plan.sizes import GIB
 from custom_ops import adamw
 from custom_ops.adamw import fused_adamw
 

@@ -25,7 +25,7 @@ import triton
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-from compile_stack.memory import GIB  # noqa: E402
+from compile_stack.memory_plan.sizes import GIB  # noqa: E402
 from custom_ops import attention as A  # noqa: E402
 from custom_ops.attention import Tiles  # noqa: E402
 from benchmarks.results import append_result  # noqa: E402

@@ -24,7 +24,7 @@ import triton
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from compile_stack.memory import GIB  # noqa: E402
+from compile_stack.memory_plan.sizes import GIB  # noqa: E402
 from custom_ops.linear_cross_entropy import (  # noqa: E402
     chunk_tokens,
     chunk_tokens_for,

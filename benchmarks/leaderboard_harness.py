@@ -24,8 +24,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import compile_stack  # noqa: E402
-from compile_stack.config import PRESETS  # noqa: E402
-from compile_stack.reference import AdamW, build_model, cross_entropy  # noqa: E402
+from compile_stack.workloads.config import PRESETS  # noqa: E402
+from compile_stack.workloads.reference import AdamW, build_model, cross_entropy  # noqa: E402
 from compile_stack.harness.user_code import build_user_model, load_object  # noqa: E402
 from compile_stack.harness.options import HelpFormatter, add_offload_option, check_offload, offload_label  # noqa: E402
 from benchmarks.results import append_result  # noqa: E402

@@ -7,19 +7,28 @@
 loss, backward, optimizer step) and returns a callable that behaves the same.
 ``Backend`` is the ``torch.compile`` backend it uses, for compiling any other
 function with our passes: ``torch.compile(fn, backend=compile_stack.Backend())``.
+``shard_blocks(model)`` shards a model with FSDP2 by its repeated blocks, for a
+step run under ``torchrun``.
 
 Importing the package turns on the caching allocator's ``expandable_segments``
 unless ``PYTORCH_CUDA_ALLOC_CONF`` is already set: the memory plan fills the
 device to within 5%, which fragmentation would break (a full-size step ran out
 of memory without it). CUDA reads the variable at its first allocation, so
 import the package before allocating.
+
+The package by job: ``capture/`` (the user's step into graphs), ``backend/``
+(Inductor with our passes), ``memory_plan/`` (what each graph saves),
+``distributed/`` (torchrun and FSDP2), ``caches.py`` (where compiled artifacts
+live); ``workloads/`` and ``harness/`` are example user code and run_step.py's
+phases, which use the package as a user does.
 """
 import os
 
 os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
 
-from compile_stack.capture import PassBackend as Backend
-from compile_stack.user_step import CompiledStep, compile_step
+from compile_stack.backend import PassBackend as Backend
+from compile_stack.capture.step import CompiledStep, compile_step
+from compile_stack.distributed import shard_blocks
 from passes import registry
 
 
@@ -29,4 +38,4 @@ def pass_report() -> dict:
     return {"replacements": registry.REPORT.as_dict(registry.pass_names()), "notes": list(registry.REPORT.notes)}
 
 
-__all__ = ["Backend", "CompiledStep", "compile_step", "pass_report"]
+__all__ = ["Backend", "CompiledStep", "compile_step", "pass_report", "shard_blocks"]

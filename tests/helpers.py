@@ -48,7 +48,7 @@ def record_graphs(monkeypatch, stage: str = "joint") -> list:
 def eager_and_compiled(model, step, passes: list[str], codegen: bool = False):
     """``step(model)`` run eagerly, then ``step`` of the model compiled with our ``passes`` (fresh
     Dynamo caches, an empty pass report): the two results, to compare."""
-    from compile_stack.capture import PassBackend
+    from compile_stack.backend import PassBackend
     from passes.registry import REPORT
 
     eager = step(model)

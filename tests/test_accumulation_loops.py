@@ -7,8 +7,8 @@ import torch
 import torch.nn.functional as F
 
 import compile_stack
-from compile_stack import accumulation_loops
-from compile_stack.budget import gradients_to_come_bytes
+from compile_stack.capture import accumulation_loops
+from compile_stack.memory_plan.ledger import gradients_to_come_bytes
 from passes import registry
 from tests.user_corpus import STATE_TOLERANCE, TOLERANCE, batches, fresh_gpt, state_tensors
 

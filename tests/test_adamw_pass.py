@@ -8,9 +8,10 @@ import torch
 import compile_stack
 import passes.adamw  # noqa: F401  (registers the pass)
 import passes.param_data  # noqa: F401
-from compile_stack import capture, reference
-from compile_stack.capture import PassBackend
-from compile_stack.config import PRESETS
+from compile_stack.backend import aten_graphs
+from compile_stack.workloads import reference
+from compile_stack.backend import PassBackend
+from compile_stack.workloads.config import PRESETS
 from compile_stack.harness.user_code import make_train_step
 from custom_ops.adamw import fused_adamw
 from passes import registry
@@ -266,10 +267,10 @@ def test_lerp_decomposed_with_where_is_fused(graphs, monkeypatch):
     ``|w| >= 0.5`` on the constant weight and two ``where``s (the form the pass met on the H200;
     its foreach form adds and multiplies, as 2.13's does). With that decomposition forced here the
     update is still proven and fused."""
-    table = dict(capture.select_decomp_table())
+    table = dict(aten_graphs.select_decomp_table())
     for op in (torch.ops.aten.lerp.Scalar, torch.ops.aten.lerp.Tensor):
         table[op] = torch._refs.lerp
-    monkeypatch.setattr(capture, "select_decomp_table", lambda: table)
+    monkeypatch.setattr(aten_graphs, "select_decomp_table", lambda: table)
     seen_where = []
     run_fuse = passes.adamw.fuse_adamw
 

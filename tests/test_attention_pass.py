@@ -13,9 +13,9 @@ import torch.nn.functional as F
 
 import custom_ops.attention
 import passes.attention  # noqa: F401  (registers the pass)
-from compile_stack.capture import PassBackend
-from compile_stack.config import PRESETS
-from compile_stack.reference import build_model, causal_attention, cross_entropy
+from compile_stack.backend import PassBackend
+from compile_stack.workloads.config import PRESETS
+from compile_stack.workloads.reference import build_model, causal_attention, cross_entropy
 from passes.registry import REPORT, register_pass
 from tests.helpers import HAS_CUDA, eager_and_compiled, rel_err
 

@@ -8,8 +8,8 @@ from torch._subclasses.fake_tensor import FakeTensorMode, is_fake
 from torch.fx.experimental.symbolic_shapes import ShapeEnv
 
 import compile_stack
-from compile_stack import blocks
-from compile_stack.block_fakes import FakeOutput, call_key
+from compile_stack.capture import blocks
+from compile_stack.capture.block_fakes import FakeOutput, call_key
 from tests.user_corpus import VOCAB, batches, fresh_gpt, make_train_step, mean_cross_entropy
 
 

@@ -17,9 +17,9 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from compile_stack.budget import SCRATCH_BYTES, MemoryLedger, lazy_optimizer_state_bytes
-from compile_stack.capture import PassBackend
-from compile_stack.user_step import step_ledger
+from compile_stack.memory_plan.ledger import SCRATCH_BYTES, MemoryLedger, lazy_optimizer_state_bytes
+from compile_stack.backend import PassBackend
+from compile_stack.memory_plan import MemoryPlan
 from passes import registry
 
 
@@ -38,7 +38,7 @@ def ledger(capacity: float) -> MemoryLedger:
 
 
 def compiled_grads(model, x, book: MemoryLedger):
-    backend = PassBackend(passes=[], codegen=False, ledger=book)
+    backend = PassBackend(passes=[], codegen=False, plan=MemoryPlan(book))
     model.zero_grad(set_to_none=True)
     torch.compile(model, backend=backend)(x).square().sum().backward()
     return [p.grad.clone() for p in model.parameters()]
@@ -145,24 +145,24 @@ def test_the_ledger_does_not_keep_the_optimizer_alive():
 
 def test_no_ledger_for_a_step_on_the_cpu():
     model = nn.Linear(3, 3)
-    assert step_ledger([torch.optim.SGD(model.parameters())], [model]) is None
+    assert MemoryPlan.for_step([torch.optim.SGD(model.parameters())], [model]) is None
 
 
 def test_a_fixed_budget_wins_over_the_ledger():
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        assert PassBackend(memory_budget=0.5, ledger=ledger(1.0)).ledger is None
+        assert PassBackend(memory_budget=0.5, plan=MemoryPlan(ledger(1.0))).plan is None
 
 
-@pytest.mark.parametrize("module", ["budget", "offload", "plan_share", "plan_records"])
+@pytest.mark.parametrize("module", ["partitioner", "ledger", "offload", "share", "records"])
 def test_the_plan_identity_changes_with_the_code_that_decides_or_records_plans(module, monkeypatch, tmp_path):
     """An edit to any of these files gives cached graphs and their plan records a new identity
     (their old entries are then missed, not misread)."""
-    from compile_stack import budget
+    from compile_stack.memory_plan import partitioner
 
-    target = importlib.import_module(f"compile_stack.{module}")
-    before = budget.plan_code_hash()
+    target = importlib.import_module(f"compile_stack.memory_plan.{module}")
+    before = partitioner.plan_code_hash()
     edited = tmp_path / f"{module}.py"
     edited.write_bytes(Path(target.__file__).read_bytes() + b"\n# edited\n")
-    monkeypatch.setattr(target, "__file__", str(edited))  # for budget, the global plan_code_hash reads
-    assert budget.plan_code_hash() != before
+    monkeypatch.setattr(target, "__file__", str(edited))  # for partitioner, the global plan_code_hash reads
+    assert partitioner.plan_code_hash() != before

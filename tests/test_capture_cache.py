@@ -5,7 +5,7 @@ at every warm start; our pre-grad passes run before the check and rewrite it."""
 import pytest
 import torch
 
-from compile_stack.capture import PassBackend
+from compile_stack.backend import PassBackend
 from tests.helpers import dynamo_graph
 
 check_node_safe = pytest.importorskip("torch._functorch._aot_autograd.autograd_cache").check_node_safe

@@ -13,8 +13,9 @@ from torch._dynamo.utils import counters
 
 import compile_stack
 import run_step
-from compile_stack import blocks, capture
-from compile_stack.budget import HOST_FRACTION
+from compile_stack.backend import PassBackend
+from compile_stack.capture import blocks
+from compile_stack.memory_plan.ledger import HOST_FRACTION
 from passes import registry
 from tests import user_models
 from tests.user_corpus import VOCAB, batches, make_train_step, mean_cross_entropy
@@ -56,7 +57,7 @@ def test_a_second_models_blocks_compile_with_static_shapes(monkeypatch):
     keyed by code location, which every block compile shares, so the second model's blocks would
     compile with symbolic sizes (which our passes leave alone) unless asked for static ones."""
     symbolic = []
-    compile_graph = capture.PassBackend._compile
+    compile_graph = PassBackend._compile
 
     def recording(self, gm, example_inputs, *args, **kwargs):
         if self.name == "block":
@@ -64,7 +65,7 @@ def test_a_second_models_blocks_compile_with_static_shapes(monkeypatch):
                                 and any(isinstance(size, torch.SymInt) for size in x.shape) for x in example_inputs))
         return compile_graph(self, gm, example_inputs, *args, **kwargs)
 
-    monkeypatch.setattr(capture.PassBackend, "_compile", recording)
+    monkeypatch.setattr(PassBackend, "_compile", recording)
     torch._dynamo.reset()
     for d_model, seq in ((32, 16), (64, 8)):  # a sequence length the weights do not pin down
         registry.REPORT.clear()

@@ -1,8 +1,8 @@
 """Presets and the work accounting of REFERENCE.md §3."""
 import pytest
 
-from compile_stack import memory
-from compile_stack.config import PRESETS, ModelConfig
+from compile_stack.memory_plan import estimate, sizes
+from compile_stack.workloads.config import PRESETS, ModelConfig
 
 
 def test_full_preset_matches_the_leaderboard_counts():
@@ -35,22 +35,22 @@ def test_odd_head_dim_is_refused():
 
 def test_memory_estimate_orders_eager_above_compiled_and_budget_monotone():
     full = PRESETS["full"]
-    eager = memory.estimate_peak_bytes(full, compiled=False)
-    low, high = (memory.estimate_peak_bytes(full, compiled=True, memory_budget=b) for b in (0.0, 1.0))
+    eager = estimate.estimate_peak_bytes(full, compiled=False)
+    low, high = (estimate.estimate_peak_bytes(full, compiled=True, memory_budget=b) for b in (0.0, 1.0))
     # State alone is 4 × 8.13e9 × 2 bytes.
     assert low > 4 * full.params * 2
     assert low < high < eager
-    h200 = 139 * memory.GIB
-    assert memory.fits(low, h200)
-    assert not memory.fits(high, h200)
-    assert not memory.fits(eager, h200)
+    h200 = 139 * sizes.GIB
+    assert sizes.fits(low, h200)
+    assert not sizes.fits(high, h200)
+    assert not sizes.fits(eager, h200)
 
 
 def test_memory_estimate_shards_state_and_batch_over_ranks():
     full = PRESETS["full"]
-    one, two = (memory.estimate_peak_bytes(full, compiled=True, memory_budget=0.5, world=w) for w in (1, 2))
+    one, two = (estimate.estimate_peak_bytes(full, compiled=True, memory_budget=0.5, world=w) for w in (1, 2))
     # Half the state and half the tokens per rank; the cross-entropy chunk, the LM head's gradient
     # and FSDP2's unsharded parameters of the groups in flight do not halve.
     block = (full.params - 2 * full.vocab * full.d_model) / full.layers
     in_flight = (2 * full.vocab * full.d_model + 2 * block) * 2
-    assert one / 2 < two < one / 2 + in_flight + memory.CE_CHUNK_BYTES + full.vocab * full.d_model * 2
+    assert one / 2 < two < one / 2 + in_flight + estimate.CE_CHUNK_BYTES + full.vocab * full.d_model * 2

@@ -14,15 +14,16 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch.autograd import DeviceType
 
+from compile_stack import caches
 from compile_stack import distributed as D
-from compile_stack import settings
+from compile_stack.workloads import reference_fsdp
 from compile_stack.harness.check import TOLERANCES
 from compile_stack.harness.profiling import device_intervals, interval_overlap, profile_overlap
-from compile_stack.config import PRESETS
-from compile_stack.reference import AdamW, build_model
+from compile_stack.workloads.config import PRESETS
+from compile_stack.workloads.reference import AdamW, build_model
 import compile_stack
-from compile_stack.reference import cross_entropy
-from compile_stack.user_step import StepOptions
+from compile_stack.workloads.reference import cross_entropy
+from compile_stack.capture.step import StepOptions
 from compile_stack.harness.user_code import make_train_step
 from compile_stack.harness.stock import StockStep
 from tests import user_models
@@ -98,17 +99,17 @@ def _worker(rank, port, out_dir, cfg, cases, codegen):
     from passes import registry
 
     torch.set_num_threads(1)  # one core per rank, as torchrun sets it
-    settings.use_cache_dir(os.path.join(out_dir, f"cache{rank}"))
+    caches.use_cache_dir(os.path.join(out_dir, f"cache{rank}"))
     rank, world, device = D.setup_distributed()
     out = {"dist": {}, "single": {}}
     for name, (dtype, compiled) in cases.items():
         model = _model(cfg, dtype, device)
-        step = D.DistributedTrainStep(model, AdamW, StepOptions(codegen=codegen) if compiled else None)
+        step = reference_fsdp.DistributedTrainStep(model, AdamW, StepOptions(codegen=codegen) if compiled else None)
         losses = [step(D.shard_batch(x, rank, world), D.shard_batch(y, rank, world)).item()
                   for x, y in _batches(cfg, device)]
         out["dist"][name] = {
             "losses": losses,
-            "params": _to_cpu(D.gather_full_params(step)),
+            "params": _to_cpu(reference_fsdp.gather_full_params(step)),
             "local_numel": sum(t.numel() for t in step.shards.tensors),
             "state_numel": sum(m.numel() + v.numel() for m, v in zip(step.optimizer.m, step.optimizer.v)),
             "graphs": step.backend.graphs if step.backend else None,
@@ -239,11 +240,11 @@ def test_bad_setup_raises(monkeypatch):
         D.setup_distributed()
     assert not dist.is_initialized()
     with pytest.raises(ValueError, match="model: expected a process group"):
-        D.shard_model(_model(PRESETS["tiny"], torch.float32, "cpu"))
-    with pytest.raises(ValueError, match="model: expected a compile_stack.reference.Transformer"):
-        D.shard_model(torch.nn.Linear(2, 2))
+        reference_fsdp.shard_model(_model(PRESETS["tiny"], torch.float32, "cpu"))
+    with pytest.raises(ValueError, match="model: expected a compile_stack.workloads.reference.Transformer"):
+        reference_fsdp.shard_model(torch.nn.Linear(2, 2))
     with pytest.raises(ValueError, match="step_or_model: expected a DistributedTrainStep"):
-        D.gather_full_params(torch.nn.Linear(2, 2))
+        reference_fsdp.gather_full_params(torch.nn.Linear(2, 2))
 
 
 def test_interval_overlap():

@@ -8,7 +8,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import compile_stack
-from compile_stack.grad_release import grads_set_to_none
+from compile_stack.backend.grad_release import grads_set_to_none
 from passes import registry
 from tests.user_corpus import TOLERANCE, batches, fresh_gpt, mean_cross_entropy
 

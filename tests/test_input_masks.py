@@ -3,8 +3,8 @@ one diagonal split, that the rebuilt graph computes exactly the input, and which
 import pytest
 import torch
 
-from compile_stack import input_masks
-from compile_stack.input_masks import diagonal_split
+from compile_stack.backend import input_masks
+from compile_stack.backend.input_masks import diagonal_split
 
 T = 7
 ONES = torch.ones(T, T)

@@ -11,7 +11,7 @@ import torch
 from torch._guards import detect_fake_mode
 
 import passes.linalg_qr
-from compile_stack.capture import PassBackend
+from compile_stack.backend import PassBackend
 from custom_ops import batched_qr
 from passes import registry
 

@@ -6,11 +6,11 @@ import sys
 import pytest
 import torch
 
-from compile_stack import memory
-from compile_stack.capture import PassBackend
-from compile_stack.config import PRESETS, ModelConfig
+from compile_stack.memory_plan.estimate import saved_bytes_per_token
+from compile_stack.backend import PassBackend
+from compile_stack.workloads.config import PRESETS, ModelConfig
 import compile_stack
-from compile_stack.reference import AdamW, Block, RotaryEmbedding, build_model, cross_entropy
+from compile_stack.workloads.reference import AdamW, Block, RotaryEmbedding, build_model, cross_entropy
 from compile_stack.harness.user_code import make_train_step
 
 # Block proportions of the full preset (d_ff ≈ 2.7·d, head dim 64), small enough for the CPU; two
@@ -48,7 +48,7 @@ def _partition_at(budget: float) -> tuple[dict, float]:
     step = compile_stack.compile_step(make_train_step(model, cross_entropy, AdamW(model.parameters())),
                                       memory_budget=budget, codegen=False)
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr("compile_stack.capture.min_cut_rematerialization_partition", spy)
+        mp.setattr("compile_stack.backend.aten_graphs.min_cut_rematerialization_partition", spy)
         loss = step(ids, ids).item()
     return graphs, loss
 
@@ -73,11 +73,11 @@ def test_our_ops_are_never_recomputed_at_any_budget(plans):
 
 def test_estimate_is_at_or_above_what_the_partitioner_saves(plans):
     for budget, (graphs, _) in plans.items():
-        estimate = CFG.tokens * memory.saved_bytes_per_token(CFG, budget, nbytes=4)
+        estimate = CFG.tokens * saved_bytes_per_token(CFG, budget, nbytes=4)
         assert graphs[1]["saved_bytes"] <= estimate, budget
     # And not far above at the floor: block input, attention output and log-sum-exp.
     floor = plans[0.0][0][1]["saved_bytes"]
-    assert floor <= CFG.tokens * memory.saved_bytes_per_token(CFG, 0.0, nbytes=4) <= 1.5 * floor
+    assert floor <= CFG.tokens * saved_bytes_per_token(CFG, 0.0, nbytes=4) <= 1.5 * floor
 
 
 class _Partitioned(Exception):
@@ -106,9 +106,9 @@ def test_measured_plans_match_the_partitioner_at_full_width(budget):
     backend = PassBackend(memory_budget=budget, codegen=False)
     x = torch.zeros(1, cfg.seq, cfg.d_model, dtype=torch.bfloat16, requires_grad=True)
     with pytest.MonkeyPatch.context() as mp, backend.active(), pytest.raises(Exception, match="_Partitioned"):
-        mp.setattr("compile_stack.capture.min_cut_rematerialization_partition", spy)
+        mp.setattr("compile_stack.backend.aten_graphs.min_cut_rematerialization_partition", spy)
         torch.compile(block, backend=backend, fullgraph=True)(x)
-    estimate = memory.saved_bytes_per_token(cfg, budget)
+    estimate = saved_bytes_per_token(cfg, budget)
     assert saved[0] / cfg.tokens <= estimate <= saved[0] / cfg.tokens + 2 * 4
 
 

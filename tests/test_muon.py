@@ -1,4 +1,4 @@
-"""compile_stack/muon.py: the reference Muon's update against a float64 re-derivation, its parameter
+"""compile_stack/workloads/muon.py: the reference Muon's update against a float64 re-derivation, its parameter
 split and param groups, and its compiled step (one ``newton_schulz`` call per hidden matrix, the
 AdamW part fused) against eager, through ``compile_step`` and through ``run_step.py``."""
 import copy
@@ -10,12 +10,12 @@ import torch
 from torch import nn
 
 import compile_stack
-import compile_stack.muon
+import compile_stack.workloads.muon
 import run_step
-from compile_stack.config import PRESETS
+from compile_stack.workloads.config import PRESETS
 from compile_stack.harness.user_code import make_train_step
-from compile_stack.muon import Muon, is_hidden_matrix
-from compile_stack.reference import Transformer, cross_entropy
+from compile_stack.workloads.muon import Muon, is_hidden_matrix
+from compile_stack.workloads.reference import Transformer, cross_entropy
 from passes import registry
 from tests.helpers import rel_err
 
@@ -56,7 +56,7 @@ def exact_newton_schulz(G, steps=5):
 @pytest.mark.parametrize("shape", [(24, 40), (40, 24), (64, 64), (7, 19)])
 def test_newton_schulz5_is_the_quintic_in_bf16(shape):
     G = torch.randn(shape)
-    X = compile_stack.muon.newton_schulz5(G)
+    X = compile_stack.workloads.muon.newton_schulz5(G)
     assert X.dtype == torch.bfloat16 and X.shape == G.shape
     assert rel_err(X, exact_newton_schulz(G)) < 5e-2  # bf16 rounding of each product: 2.5-4%
     if shape[0] != shape[1]:  # (a square Gaussian's smallest singular values are too near 0 for 5 steps)
@@ -94,7 +94,7 @@ def derived_float64(params, grads_per_step, nesterov):
 def test_step_equals_float64_derivation(monkeypatch, nesterov):
     """Three steps of an fp32 model, the bf16 iterations swapped for exact ones (tested above): every
     parameter as the float64 derivation, to fp32 rounding."""
-    monkeypatch.setattr(compile_stack.muon, "newton_schulz5", lambda G, steps: exact_newton_schulz(G, steps).float())
+    monkeypatch.setattr(compile_stack.workloads.muon, "newton_schulz5", lambda G, steps: exact_newton_schulz(G, steps).float())
     model = small_model()
     params = list(model.parameters())
     start = [p.detach().clone() for p in params]
@@ -191,7 +191,7 @@ def test_compiled_muon_equals_eager_with_one_call_per_matrix():
 @pytest.mark.slow
 def test_run_step_with_muon(tmp_path):
     out = tmp_path / "out.json"
-    assert run_step.main(["--compile", "--preset", "tiny", "--layers", "1", "--optimizer", "compile_stack.muon:Muon",
+    assert run_step.main(["--compile", "--preset", "tiny", "--layers", "1", "--optimizer", "compile_stack.workloads.muon:Muon",
                           "--steps", "2", "--warmup", "0", "--json", str(out),
                           "--cache-dir", str(tmp_path / "cache")]) == 0
     summary = json.loads(out.read_text())

@@ -7,7 +7,7 @@ the CPU, where the op runs its plain-torch path: the rewrite is made and checked
 import pytest
 import torch
 
-from compile_stack.capture import PassBackend
+from compile_stack.backend import PassBackend
 from custom_ops.newton_schulz import MUON_COEFFICIENTS
 from passes import registry
 from tests.helpers import record_graphs, rel_err

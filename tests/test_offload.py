@@ -14,9 +14,9 @@ import torch.nn.functional as F
 from torch.fx.experimental.proxy_tensor import make_fx
 from torch.library import opcheck
 
-from compile_stack import offload
-from compile_stack.budget import SCRATCH_BYTES, MemoryLedger
-from compile_stack.capture import PassBackend
+from compile_stack.memory_plan import MemoryPlan, offload
+from compile_stack.memory_plan.ledger import SCRATCH_BYTES, MemoryLedger
+from compile_stack.backend import PassBackend
 from custom_ops.activation_offload import TRANSFERS, host_buffers, offload_to_host, reload_to_device
 from passes import registry
 from tests.helpers import record_graphs
@@ -63,7 +63,7 @@ def compile_at(case, capacity: float, host: int, codegen: bool = False) -> tuple
     registry.REPORT.clear()
     graphs.clear()
     book = MemoryLedger(capacity, allocated=lambda: 0, future_state=lambda: 0, host_capacity=host, device=x.device)
-    step = torch.compile(model, backend=PassBackend(passes=[], codegen=codegen, ledger=book, uses=USES))
+    step = torch.compile(model, backend=PassBackend(passes=[], codegen=codegen, plan=MemoryPlan(book), uses=USES))
     # Compiled anew, not served from a cache: the ledger is filled by the partitioner's run.
     with (torch._inductor.config.patch(fx_graph_cache=False),
           torch._functorch.config.patch(enable_autograd_cache=False)):
@@ -375,9 +375,10 @@ def test_huge_page_advice_covers_the_whole_huge_pages_inside_a_buffer():
 
 
 def test_remembered_buffers_are_keyed_by_what_decides_the_plan(monkeypatch, tmp_path):
-    from compile_stack import host_pinning, settings
+    from compile_stack import caches
+    from compile_stack.memory_plan import host_pinning
 
-    monkeypatch.setenv(settings.CACHE_ENV, str(tmp_path))
+    monkeypatch.setenv(caches.CACHE_ENV, str(tmp_path))
     asked = []
 
     class Pool:
@@ -404,5 +405,5 @@ def test_remembered_buffers_are_keyed_by_what_decides_the_plan(monkeypatch, tmp_
     (tmp_path / "inductor" / host_pinning.FILE).write_text("{not json")
     host_pinning.pin_remembered(key)  # a damaged file is ignored
     assert len(asked) == 1
-    monkeypatch.setenv(settings.CACHE_ENV, str(tmp_path / "inductor" / host_pinning.FILE))  # not a directory
+    monkeypatch.setenv(caches.CACHE_ENV, str(tmp_path / "inductor" / host_pinning.FILE))  # not a directory
     host_pinning.remember(key)  # nothing written, nothing raised

@@ -5,7 +5,8 @@ import pytest
 import torch
 
 import compile_stack
-from compile_stack import capture, settings
+from compile_stack import caches
+from compile_stack.backend import pass_records
 from passes import registry
 from tests.test_compile_step import gpt
 from tests.user_corpus import batches, mean_cross_entropy
@@ -27,12 +28,12 @@ def compile_loss(model):
 @pytest.fixture(scope="module")
 def warm(tmp_path_factory):
     """A cache directory warmed by one compile, and what that compile reported."""
-    settings.use_cache_dir(tmp_path_factory.mktemp("cache"))
+    caches.use_cache_dir(tmp_path_factory.mktemp("cache"))
     torch.manual_seed(0)
     model = gpt(1, d_model=32, heads=2)
     cold = compile_loss(model)
     assert cold[0] == {"attention": 1, "cross_entropy": 1}
-    records = sorted(capture.report_dir().glob("*.json"))
+    records = sorted(pass_records.report_dir().glob("*.json"))
     assert records
     return model, cold, records
 

@@ -8,7 +8,7 @@ last blocks take a plan that recomputes less in what is left over, from the
 second call on. Each case trains three steps and compares the parameters with
 eager's. A warm start (Inductor's code on the CPU, caches in a temporary
 directory) partitions nothing, routes the same blocks and holds the same
-ledger (compile_stack/plan_records.py); a graph missing from the caches is
+ledger (compile_stack/memory_plan/records.py); a graph missing from the caches is
 planned beside the cached ones.
 """
 import copy
@@ -17,8 +17,8 @@ import pytest
 import torch
 
 import compile_stack
-from compile_stack import budget, offload, plan_records, plan_share, user_step
-from compile_stack.budget import SCRATCH_BYTES, MemoryLedger
+from compile_stack.memory_plan import MemoryPlan, offload, partitioner, records, share as plan_share
+from compile_stack.memory_plan.ledger import SCRATCH_BYTES, MemoryLedger
 from passes import registry
 from tests import user_models
 from tests.user_corpus import VOCAB, batches, make_train_step, mean_cross_entropy
@@ -46,8 +46,8 @@ def train(monkeypatch, capacity: float, by_argument: bool = False, codegen: bool
     registry.REPORT.clear()
     model, reference = gpt(), gpt()
     book = MemoryLedger(capacity, allocated=lambda: 0, future_state=lambda: 0, device=torch.device("cpu"))
-    monkeypatch.setattr(user_step, "step_ledger", lambda *args, **kwargs: book)
-    partitions, partition = [], budget.BudgetedPartitioner.__call__
+    monkeypatch.setattr(MemoryPlan, "for_step", classmethod(lambda cls, *args, **kwargs: cls(book)))
+    partitions, partition = [], partitioner.BudgetedPartitioner.__call__
 
     def recorded(self, gm, joint_inputs, **kwargs):
         parts = partition(self, gm, joint_inputs, **kwargs)
@@ -55,7 +55,7 @@ def train(monkeypatch, capacity: float, by_argument: bool = False, codegen: bool
             partitions.append((self, *parts))
         return parts
 
-    monkeypatch.setattr(budget.BudgetedPartitioner, "__call__", recorded)
+    monkeypatch.setattr(partitioner.BudgetedPartitioner, "__call__", recorded)
     optimizer, eager_optimizer = (torch.optim.SGD(m.parameters(), lr=0.1) for m in (model, reference))
     if by_argument:
         def step_of(m, o):
@@ -75,8 +75,7 @@ def train(monkeypatch, capacity: float, by_argument: bool = False, codegen: bool
     for inputs, targets in batches(STEPS):
         step(*args[0], inputs, targets)
         eager(*args[1], inputs, targets)
-    backends = [step.backend, step.optimizer_backend, *(calls.backend for calls in step.block_calls)]
-    assert all(b.unsettled == [] for b in backends)  # each call settles what it compiled, the optimizer's too
+    assert step.memory_plan.settled  # each call settles what it compiled, the optimizer's too
     tolerance = {"rtol": 1e-4, "atol": 1e-5} if codegen else {}
     for got, want in zip(model.parameters(), reference.parameters()):
         torch.testing.assert_close(got, want, **tolerance)
@@ -166,13 +165,13 @@ def test_a_graph_missing_from_the_caches_plans_beside_the_cached_ones(monkeypatc
 
 
 def test_a_damaged_or_missing_record_gives_none(tmp_path, monkeypatch):
-    monkeypatch.setattr(plan_records.cache_dir_utils, "cache_dir", lambda: str(tmp_path))
+    monkeypatch.setattr(records.cache_dir_utils, "cache_dir", lambda: str(tmp_path))
     share = plan_share.Share(uses=3, budget=0.65, moved=("mm_1",), saved=10, host=20, extra=5, extra_host=0)
-    for record in (plan_records.PlanRecord(100, 7, 50, share), plan_records.PlanRecord(100, 7, 0, None)):
-        plan_records.remember("block:abc", "identity", record)
-        assert plan_records.recall("block:abc", "identity") == record
-    assert plan_records.recall("block:abc", "another identity") is None
+    for record in (records.PlanRecord(100, 7, 50, share), records.PlanRecord(100, 7, 0, None)):
+        records.remember("block:abc", "identity", record)
+        assert records.recall("block:abc", "identity") == record
+    assert records.recall("block:abc", "another identity") is None
     bad_share = '{"saved": 1, "working": 2, "host": 3, "share": {"uses": 3}}'
     for damaged in ("{not json", '{"saved": 3}', "[1, 2]", bad_share):
-        plan_records._path("block:abc", "identity").write_text(damaged)
-        assert plan_records.recall("block:abc", "identity") is None
+        records._path("block:abc", "identity").write_text(damaged)
+        assert records.recall("block:abc", "identity") is None

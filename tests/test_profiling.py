@@ -4,7 +4,7 @@ from types import SimpleNamespace
 import pytest
 from torch.autograd import DeviceType
 
-from compile_stack.config import PRESETS
+from compile_stack.workloads.config import PRESETS
 from compile_stack.harness.profiling import CATEGORIES, breakdown, categorize, format_breakdown
 from custom_ops import adamw, attention, linear_cross_entropy, rope
 

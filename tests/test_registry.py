@@ -4,9 +4,9 @@ import copy
 import pytest
 import torch
 
-from compile_stack.capture import PassBackend
-from compile_stack.config import PRESETS
-from compile_stack.reference import AdamW, build_model, cross_entropy
+from compile_stack.backend import PassBackend
+from compile_stack.workloads.config import PRESETS
+from compile_stack.workloads.reference import AdamW, build_model, cross_entropy
 from passes import registry
 from passes.param_data import rewrite_param_data_updates
 from tests.helpers import dynamo_graph

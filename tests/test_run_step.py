@@ -116,9 +116,9 @@ def test_blocks_compiled_once_match_the_whole_graph():
     block is inlined into one graph."""
     import torch
 
-    from compile_stack.config import PRESETS
+    from compile_stack.workloads.config import PRESETS
     from compile_stack.harness.user_code import make_train_step
-    from compile_stack.reference import AdamW, build_model, cross_entropy
+    from compile_stack.workloads.reference import AdamW, build_model, cross_entropy
     from passes import registry
 
     cfg = PRESETS["tiny"].with_overrides(layers=3)

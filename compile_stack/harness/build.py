@@ -6,24 +6,25 @@ import dataclasses
 import torch
 
 import compile_stack
-from compile_stack import distributed, settings
+from compile_stack import caches, distributed
 from compile_stack.harness.measure import FirstCallTimer
 from compile_stack.harness.options import passes_of
 from compile_stack.harness.report import log
-from compile_stack.reference import AdamW
-from compile_stack.user_step import StepOptions
+from compile_stack.capture.step import StepOptions
+from compile_stack.workloads.reference import AdamW
+from compile_stack.workloads.reference_fsdp import DistributedTrainStep
 from passes import registry
 
 
 def use_caches(args, plan) -> None:
     """``--cache-dir``/``--fresh-cache`` for every compile of the run; rank 0 empties them, the others wait."""
     try:
-        settings.use_cache_dir(args.cache_dir, fresh=args.fresh_cache and plan.rank == 0)
+        caches.use_cache_dir(args.cache_dir, fresh=args.fresh_cache and plan.rank == 0)
     except ValueError as e:  # "cache_dir: expected a writable directory ..."
         raise SystemExit(f"--cache-dir: {str(e).partition(': ')[2]}") from None
     if plan.world > 1:
         torch.distributed.barrier()
-    log(f"compile caches: {settings.default_cache_dir()}{' (emptied)' if args.fresh_cache else ''}")
+    log(f"compile caches: {caches.default_cache_dir()}{' (emptied)' if args.fresh_cache else ''}")
 
 
 @dataclasses.dataclass
@@ -54,7 +55,7 @@ def build_step(args, plan, code) -> Built:
         batch = tuple(distributed.shard_batch(t, plan.rank, plan.world) for t in batch)
     if plan.reference_fsdp:
         options = StepOptions(passes=passes, inspect_dir=args.inspect, memory_budget=plan.budget) if args.compile else None
-        step = distributed.DistributedTrainStep(model, AdamW, options)
+        step = DistributedTrainStep(model, AdamW, options)
     else:
         if plan.world > 1:
             distributed.shard_blocks(model)

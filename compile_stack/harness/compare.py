@@ -4,7 +4,8 @@ import gc
 
 import torch
 
-from compile_stack import distributed, memory
+from compile_stack import distributed
+from compile_stack.memory_plan.sizes import GIB
 from compile_stack.harness.measure import FirstCallTimer, measure
 from compile_stack.harness.report import log
 from compile_stack.harness.stock import StockStep
@@ -26,7 +27,7 @@ def compare_stock(args, plan, code, batch, ours: dict) -> dict:
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(plan.device)
         log(f"[stock] memory still allocated after freeing ours: "
-            f"{torch.cuda.memory_allocated(plan.device) / memory.GIB:.2f} GiB")
+            f"{torch.cuda.memory_allocated(plan.device) / GIB:.2f} GiB")
     torch.manual_seed(args.seed)
     if not code.own:
         log("[stock] building the stock step (torch.compile per block, SDPA, checkpointing, fused AdamW)...")

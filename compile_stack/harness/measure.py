@@ -10,10 +10,10 @@ import time
 import torch
 import torch.distributed as dist
 
-from compile_stack import memory
-from compile_stack.config import H200_PEAK_BF16_FLOPS
+from compile_stack.capture.targets import raise_on_bad_targets
+from compile_stack.memory_plan.sizes import GIB
 from compile_stack.harness.report import log
-from compile_stack.targets import raise_on_bad_targets
+from compile_stack.workloads.config import H200_PEAK_BF16_FLOPS
 
 
 class FirstCallTimer:
@@ -56,10 +56,10 @@ def timed_steps(step, batch, n: int, device: torch.device) -> tuple[list[float],
 
 def peak_memory_gib(device: torch.device) -> float:
     if device.type == "cuda":
-        return torch.cuda.max_memory_allocated(device) / memory.GIB
+        return torch.cuda.max_memory_allocated(device) / GIB
     import resource
 
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / memory.GIB
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / GIB
 
 
 def measure(step: FirstCallTimer, batch, args, plan, label: str) -> dict:
@@ -68,7 +68,7 @@ def measure(step: FirstCallTimer, batch, args, plan, label: str) -> dict:
         log(f"[{label}] first step (compiles when compiled)...")
         step(*batch)
     log(f"[{label}] first step took {step.first_s:.1f} s")
-    for i in range(args.warmup):  # timed too: the second call compiles a graph's richer plan (plan_share.py)
+    for i in range(args.warmup):  # timed too: the second call compiles a graph's richer plan (memory_plan/share.py)
         t0 = time.perf_counter()
         step(*batch).detach().item()  # synchronizes
         log(f"[{label}] warm-up {i + 1}/{args.warmup} took {time.perf_counter() - t0:.1f} s")

@@ -12,9 +12,9 @@ from pathlib import Path
 
 import torch
 
-from compile_stack import distributed, settings
-from compile_stack.budget import HOST_FRACTION
-from compile_stack.config import PRESETS, ModelConfig
+from compile_stack import caches, distributed
+from compile_stack.memory_plan.ledger import HOST_FRACTION
+from compile_stack.workloads.config import PRESETS, ModelConfig
 from passes import registry
 
 OVERRIDES = ("layers", "seq", "batch", "d_model", "heads", "d_ff", "vocab")
@@ -161,14 +161,14 @@ def check_outputs(args, p: argparse.ArgumentParser) -> None:
         why = _writable_dir_error(path.parent)
         if why:
             p.error(f"{expected}, got {str(path)!r}: {why}")
-    cache_dir = args.cache_dir if args.cache_dir is not None else settings.default_cache_dir()
+    cache_dir = args.cache_dir if args.cache_dir is not None else caches.default_cache_dir()
     for option, path in (("inspect", args.inspect), ("cache-dir", cache_dir)):
         if path is None:
             continue
         path = path.expanduser()
         expected = f"--{option}: expected a writable directory"
         if option == "cache-dir" and args.cache_dir is None:
-            expected += f" (the default, ${settings.CACHE_ENV} or ~/.cache/compile_stack)"
+            expected += f" (the default, ${caches.CACHE_ENV} or ~/.cache/compile_stack)"
         if path.exists() and not path.is_dir():
             p.error(f"{expected}, got {str(path)!r}, which is not a directory")
         why = _writable_dir_error(path)

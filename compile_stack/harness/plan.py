@@ -5,8 +5,10 @@ import platform
 
 import torch
 
-from compile_stack import distributed, memory
-from compile_stack.config import PRESET_ORDER, ModelConfig
+from compile_stack import distributed
+from compile_stack.memory_plan import sizes
+from compile_stack.memory_plan.estimate import estimate_peak_bytes
+from compile_stack.workloads.config import PRESET_ORDER, ModelConfig
 from compile_stack.harness.options import config_of
 from compile_stack.harness.report import log
 
@@ -36,7 +38,7 @@ class Plan:
             "preset": self.preset, "config": self.cfg.__dict__, "dtype": args.dtype, "compiled": args.compile,
             "model": args.model or "reference", "loss_fn": args.loss or "reference",
             "optimizer": args.optimizer or "reference",
-            "memory_budget": self.budget, "estimated_peak_gib": round(self.estimate / memory.GIB, 1),
+            "memory_budget": self.budget, "estimated_peak_gib": round(self.estimate / sizes.GIB, 1),
         }
 
 
@@ -52,14 +54,14 @@ def plan_run(args) -> Plan:
         device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     if device.type == "cuda" and not torch.cuda.is_available():
         raise SystemExit("--device: expected cpu on this machine (no CUDA GPU is available), got cuda")
-    device_bytes = memory.device_bytes(device)
+    device_bytes = sizes.device_bytes(device)
     dtype = getattr(torch, args.dtype)
     preset, cfg, why = choose_config(args, device, device_bytes, world, dtype.itemsize)
     reference_fsdp = world > 1 and args.model is None and args.loss is None and args.optimizer is None
     budget = choose_budget(args, cfg, device, device_bytes, world, reference_fsdp, dtype.itemsize)
     auto = args.compile and budget is None and device.type == "cuda"
     # With the budget chosen per graph, the estimate at the least budget says whether anything fits.
-    estimate = memory.estimate_peak_bytes(cfg, args.compile, 0.0 if auto else 1.0 if budget is None else budget,
+    estimate = estimate_peak_bytes(cfg, args.compile, 0.0 if auto else 1.0 if budget is None else budget,
                                           dtype.itemsize, world)
     plan = Plan(rank, world, device, dtype, preset, cfg, budget, estimate, reference_fsdp)
     log(f"device: {device} ({plan.device_name}); torch {torch.__version__}")
@@ -73,20 +75,20 @@ def plan_run(args) -> Plan:
 
 def refuse_what_cannot_fit(args, plan: Plan, device_bytes: float) -> None:
     """Exit with the estimate if the step, or with ``--check`` the eager reference beside it, cannot fit."""
-    if not memory.fits(plan.estimate, device_bytes):
+    if not sizes.fits(plan.estimate, device_bytes):
         raise SystemExit(
-            f"config does not fit: estimated peak {plan.estimate / memory.GIB:.1f} GiB "
+            f"config does not fit: estimated peak {plan.estimate / sizes.GIB:.1f} GiB "
             f"({'compiled' if args.compile else 'eager'}, budget {plan.budget}) with "
-            f"{device_bytes / memory.GIB:.1f} GiB on {plan.device}. "
+            f"{device_bytes / sizes.GIB:.1f} GiB on {plan.device}. "
             "Use a smaller preset or overrides, --compile, a lower --memory-budget, or --force to try anyway."
         )
     # --check keeps a second model and its optimizer state, and runs it eagerly.
     nbytes = plan.dtype.itemsize
-    eager_estimate = memory.estimate_peak_bytes(plan.cfg, False, nbytes=nbytes) + 4 * plan.cfg.params * nbytes
-    if args.check and not memory.fits(eager_estimate, device_bytes):
+    eager_estimate = estimate_peak_bytes(plan.cfg, False, nbytes=nbytes) + 4 * plan.cfg.params * nbytes
+    if args.check and not sizes.fits(eager_estimate, device_bytes):
         raise SystemExit(
             f"--check: the eager reference step it runs next to ours does not fit: estimated peak "
-            f"{eager_estimate / memory.GIB:.1f} GiB with {device_bytes / memory.GIB:.1f} GiB on {plan.device}. "
+            f"{eager_estimate / sizes.GIB:.1f} GiB with {device_bytes / sizes.GIB:.1f} GiB on {plan.device}. "
             "Check a smaller config (e.g. --preset small --seq 4096), or --force to try anyway."
         )
 
@@ -100,20 +102,20 @@ def choose_config(args, device: torch.device, device_bytes: float, world: int,
         return "tiny", config_of(args, "tiny"), "no GPU: tiny runs on the CPU"
     for name in PRESET_ORDER:
         cfg = config_of(args, name)
-        estimate = memory.estimate_peak_bytes(cfg, args.compile, 0.0, nbytes, world)
-        if memory.fits(estimate, device_bytes):
-            return name, cfg, (f"largest preset whose estimate ({estimate / memory.GIB:.0f} GiB) fits the GPU's "
-                               f"{device_bytes / memory.GIB:.0f} GiB")
+        estimate = estimate_peak_bytes(cfg, args.compile, 0.0, nbytes, world)
+        if sizes.fits(estimate, device_bytes):
+            return name, cfg, (f"largest preset whose estimate ({estimate / sizes.GIB:.0f} GiB) fits the GPU's "
+                               f"{device_bytes / sizes.GIB:.0f} GiB")
     return "tiny", config_of(args, "tiny"), "nothing larger fits"
 
 
 def choose_budget(args, cfg: ModelConfig, device: torch.device, device_bytes: float, world: int,
                   reference_fsdp: bool, nbytes: int) -> float | None:
-    """The budget given; None (compile_step fits each graph's plan to the GPU, budget.py) but for
+    """The budget given; None (compile_step fits each graph's plan to the GPU, memory_plan/) but for
     the reference model's FSDP step, whose own backends take the largest budget whose estimate fits."""
     if args.memory_budget is not None or not args.compile or device.type != "cuda" or not reference_fsdp:
         return args.memory_budget
     for budget in [b / 100 for b in range(100, -1, -1)]:
-        if memory.fits(memory.estimate_peak_bytes(cfg, True, budget, nbytes, world), device_bytes):
+        if sizes.fits(estimate_peak_bytes(cfg, True, budget, nbytes, world), device_bytes):
             return budget
     return 0.0

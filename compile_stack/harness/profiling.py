@@ -26,7 +26,7 @@ import torch
 from torch.autograd import DeviceType
 from torch.profiler import ProfilerActivity, profile
 
-from compile_stack.config import ModelConfig
+from compile_stack.workloads.config import ModelConfig
 from compile_stack.harness.report import log
 
 TOP_KERNELS = 12

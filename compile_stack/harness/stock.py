@@ -13,8 +13,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
-from compile_stack.reference import Block, Transformer
-from compile_stack.sharding import mean_over_ranks, shard_groups
+from compile_stack.distributed.sharding import mean_over_ranks, shard_groups
+from compile_stack.workloads.reference import Block, Transformer
 
 CE_CHUNK_TOKENS = 8192
 

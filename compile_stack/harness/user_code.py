@@ -9,8 +9,8 @@ from pathlib import Path
 
 import torch
 
-from compile_stack.config import ModelConfig
-from compile_stack.reference import AdamW, build_model, cross_entropy
+from compile_stack.workloads.config import ModelConfig
+from compile_stack.workloads.reference import AdamW, build_model, cross_entropy
 
 
 def load_object(spec: str, option: str):

@@ -2,7 +2,7 @@
 
 On one GPU the full step cannot keep every matmul output its backward needs,
 so the partitioner's plan recomputes some (the FFN input projections of the
-full preset). ``compile_stack/offload.py`` chooses a plan that saves them and
+full preset). ``compile_stack/memory_plan/offload.py`` chooses a plan that saves them and
 moves the extra ones to host memory, which these ops do: ``offload_to_host``
 in the forward (a copy on a side stream, nothing waits for it) and
 ``reload_to_device`` in the backward (started ahead for the next blocks).

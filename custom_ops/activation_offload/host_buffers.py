@@ -13,7 +13,7 @@ A buffer is free again when no tensor but the pool's own views its memory: a
 saved activation keeps its buffer until autograd lets it go, however long
 that is. ``needed()`` says how many of each size a step held at once, and
 ``pin_ahead`` pins that many in the background before a step asks (a warm
-start: compile_stack/host_pinning.py remembers them beside the caches).
+start: compile_stack/memory_plan/host_pinning.py remembers them beside the caches).
 """
 import ctypes
 import threading

@@ -1,7 +1,7 @@
 """``cstack::offload_to_host`` and ``cstack::reload_to_device``: an activation's trip to host
 memory between the forward and the backward.
 
-The activation-offload plan (compile_stack/offload.py) puts them in the
+The activation-offload plan (compile_stack/memory_plan/offload.py) puts them in the
 partitioned graphs: the forward returns the host copy instead of the GPU
 tensor, the backward copies it back before its first use. On CUDA both are
 asynchronous (transfers.py); on the CPU they are copies, so a plan can be
@@ -25,7 +25,7 @@ def offload_to_host(x: torch.Tensor, after: list[torch.Tensor], in_flight: int) 
     """``x``'s values in host memory (pinned; copied asynchronously from a GPU).
 
     ``after``: tensors the copy must follow, never read: results that exist only
-    once every other reader of ``x`` has run (compile_stack/offload.py picks
+    once every other reader of ``x`` has run (compile_stack/memory_plan/offload.py picks
     them), so that in any schedule the copy is ``x``'s last use and nothing
     writes its memory before the copy has read it.
     ``in_flight``: bytes of earlier offloads whose GPU memory may stay held while

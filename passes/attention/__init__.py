@@ -27,7 +27,7 @@ aten level, after Inductor's decompositions. Two families are recognised:
      be exactly ``j <= i``. A mask from a graph input (a buffer such as
      nanoGPT's ``bias``, or one made outside a repeated block) reaches this
      pass built in the graph where its values were one diagonal split when
-     compiled (``compile_stack/input_masks.py`` rebuilds it and guards the
+     compiled (``compile_stack/backend/input_masks.py`` rebuilds it and guards the
      compiled graph); any other is left alone with a note.
    - Softmax: ``_softmax``, or exp/sum/div with or without the max subtracted.
    - Layout: between the scores' ops and between P and the bmm, any chain of

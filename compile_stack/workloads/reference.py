@@ -10,7 +10,7 @@ import math
 import torch
 import torch.nn as nn
 
-from compile_stack.config import ModelConfig
+from compile_stack.workloads.config import ModelConfig
 
 
 def trunc_normal_(t: torch.Tensor, std: float) -> torch.Tensor:

@@ -1,6 +1,6 @@
 """Some of a shared graph's call sites on a richer plan: what one plan for all of them leaves over.
 
-A block's graph serves every block, and budget.py picks one plan for all of
+A block's graph serves every block, and partitioner.py picks one plan for all of
 them: the one recomputing the least that fits the memory times the number of
 blocks. What that leaves free is often less than one more saved value times
 every block, but enough for that value in some of them: with offload at 0.88
@@ -15,16 +15,16 @@ memory (its extra ones too where only the host has the room).
 The share is settled once every graph of the step has its plan (after the
 step's first call: a graph planned after the blocks must still fit), so from
 the second call on those call sites run a second compile of the graph with
-that plan (capture.py; blocks.py routes them). A warm start is served the
+that plan (backend/pass_backend.py; capture/blocks.py and backend/segments.py route them). A warm start is served the
 shared plan from the compile caches without partitioning: the share is
-written beside them (plan_records.py) and read back there.
+written beside them (records.py) and read back there.
 """
 import dataclasses
 from collections.abc import Callable
 
 import torch.fx as fx
 
-from compile_stack import offload
+from compile_stack.memory_plan import offload
 
 
 @dataclasses.dataclass

@@ -6,7 +6,7 @@ attribute stores as side effects and applies them only once the graph
 captured with them has run. So the last step's gradients stay alive through
 the forward graph, beside its activations: 16 GiB at the full size, more than
 the memory plan leaves free. (``zero_grad`` of a model or an optimizer in
-reach runs eagerly instead, see ``user_step.py``; this covers everything else.)
+reach runs eagerly instead, see ``capture/step.py``; this covers everything else.)
 
 When our backend is handed a graph, Dynamo's pending side effects are those
 that will be applied after it. For each graph input whose ``grad`` they set to

@@ -5,25 +5,10 @@ user's step does not say how big its model is, so the choice is made where
 the sizes are known: at each graph's partition. The joint forward+backward
 is partitioned at budget 1.0 first (save what the partitioner likes); if what
 the forward then saves, times the call sites sharing the graph (every block
-of a model), does not fit the memory left, the budget is searched down by
-bisection and the largest plan that fits is kept. Each trial partitions a
-copy of the joint graph, so the plan used is one that was measured, not
-predicted.
-
-The memory left for a graph's saved activations (``MemoryLedger``):
-
-- the device's usable memory (``memory.USABLE_FRACTION`` of it);
-- minus what is allocated when the graph is compiled (parameters, buffers,
-  any state that exists), and the state the step will create: an optimizer
-  that has no state yet for a parameter is taken to create two moments of
-  its size (Adam's; more than SGD needs, so the plan errs safe);
-- minus what the step's other graphs save (their plans, as reserved);
-- minus one graph's working set in its backward: the largest budget-1.0 set
-  of any graph (one block's backward holds that while it recomputes) and a
-  fixed allowance for kernels' scratch (the fused loss's logits chunk).
-
-Gradients are not subtracted: they appear as the backward frees saved
-activations, and the larger of the two is what is alive at once.
+of a model), does not fit what the ledger leaves (``ledger.py``), the budget
+is searched down by bisection and the largest plan that fits is kept. Each
+trial partitions a copy of the joint graph, so the plan used is one that was
+measured, not predicted.
 
 With activation offload on (``offload.py``), a graph whose fitting plan
 recomputes matmuls compares the plans of larger budgets: each fits once
@@ -33,133 +18,46 @@ kept; the backward's copies started ahead count in its working set.
 
 A graph with several call sites keeps the plans it tried: once every graph
 of the step has its plan, ``settle_share`` gives what is left over to the
-last call sites as a plan recomputing less (``plan_share.py``).
+last call sites as a plan recomputing less (``share.py``).
 """
 import hashlib
-import weakref
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from pathlib import Path
 
 import torch
 from torch._functorch.partitioners import min_cut_rematerialization_partition
 from torch._inductor.custom_graph_pass import CustomPartitionerFn
 
-from compile_stack import memory, offload, plan_records, plan_share
-from compile_stack.settings import LEAST_BUDGET
+from compile_stack.memory_plan import ledger, offload, records, share
+from compile_stack.memory_plan.ledger import MemoryLedger
+from compile_stack.memory_plan.share import Candidates, Plan, Share, richer_share
+from compile_stack.memory_plan.sizes import tensor_bytes
 from passes.graph_edit import copy_module
 
-# Kernels' scratch beside the saved activations: the fused loss's logits chunk and its head gradient.
-SCRATCH_BYTES = 2 * memory.CE_CHUNK_BYTES
+# At exactly 0 the partitioner saves only the graph's inputs, ignoring the
+# must-save marks our passes put on their ops' outputs (so it would recompute
+# attention); the smallest positive budget keeps the marks and saves nothing else.
+LEAST_BUDGET = 1e-6
 # Bisection steps below 1.0: the budget is found to 1/64.
 SEARCH_STEPS = 6
 # The budgets whose plans an offloading graph compares with its fitting plan (above its budget).
 OFFLOAD_BUDGETS = tuple(b / 20 for b in range(20, 0, -1))
-# The share of the host's memory an offloading step may pin unless told otherwise
-# (``compile_step(offload_activations=share)``): the rest is the process's, its compile workers'
-# and the machine's. Of the physical memory, not of what is free now, so the plan (and the
-# compile caches keyed by it) is the same from run to run.
-HOST_FRACTION = 0.75
 
 
 def saved_bytes(backward: torch.fx.GraphModule, static_inputs: Iterable[int] = ()) -> int:
     """Bytes a partition's forward keeps for its backward: the backward's inputs but the
     incoming gradients and the graph inputs that live anyway (parameters, buffers)."""
     lives_anyway = {f"primals_{i + 1}" for i in static_inputs}
-    return sum(memory.tensor_bytes(n.meta.get("val")) for n in offload.saved_inputs(backward)
+    return sum(tensor_bytes(n.meta.get("val")) for n in offload.saved_inputs(backward)
                if n.name not in lives_anyway)
 
 
 def plan_code_hash() -> str:
-    """A hash of the code that decides a graph's memory plan (this file, offload.py, plan_share.py) and
-    of plan_records.py, whose records of a plan a warm start reads back under this identity."""
-    code = b"".join(Path(m.__file__).read_bytes() for m in (offload, plan_records, plan_share))
+    """A hash of the code that decides a graph's memory plan (this file, ledger.py, offload.py,
+    share.py) and of records.py, whose records of a plan a warm start reads back under this
+    identity."""
+    code = b"".join(Path(m.__file__).read_bytes() for m in (ledger, offload, records, share))
     return hashlib.sha256(Path(__file__).read_bytes() + code).hexdigest()
-
-
-class MemoryLedger:
-    """What a step's graphs may save for their backward, on one device.
-
-    ``capacity`` is the device's usable bytes; ``kept()`` what lives across
-    steps: what is allocated and the state the step will still create (an
-    optimizer's lazily created moments). A compiled step calls
-    ``at_step_start()`` as it starts: graphs compiled later in it (a piece
-    after the blocks) and the shares settled after it count what was kept
-    then, not the blocks' saved activations, which the blocks' reservation
-    already counts, and the moments once, whether they exist yet or not.
-    """
-
-    def __init__(self, capacity: float, allocated: Callable[[], int], future_state: Callable[[], int],
-                 host_capacity: int = 0, device: torch.device | None = None):
-        self.capacity = capacity
-        self.device = device  # where the saved activations live (offload moves those of it)
-        self.host_capacity = host_capacity  # host bytes saved activations may take (0: offload off)
-        self.host_reserved: dict[str, int] = {}
-        self._allocated = allocated
-        self.resident: int | None = None  # kept() at the step's start, once known
-        self.future_state = future_state
-        self.reserved: dict[str, int] = {}  # graph key -> bytes its saved activations take (all uses)
-        self.workings: dict[str, int] = {}  # graph key -> its working set
-        self.working = 0  # the largest working set of any graph planned so far
-
-    @classmethod
-    def for_device(cls, device: torch.device, optimizers: list, host_share: float = 0.0,
-                   accumulating: list | None = None) -> "MemoryLedger":
-        """The ledger of a step on ``device``; saved activations may also take ``host_share`` of the
-        host's memory (0: offload off). A step that accumulates gradients over micro-batches has
-        the gradients of the parameters ``accumulating`` alive through every forward after its
-        first, so they count as state to come. It holds the optimizers and parameters weakly:
-        Dynamo's caches keep our backends, and through them this ledger, alive after the step
-        is gone."""
-        refs = [weakref.ref(opt) for opt in optimizers]
-        params = [weakref.ref(p) for p in accumulating or ()]
-
-        def future_state() -> int:
-            return (lazy_optimizer_state_bytes([opt for ref in refs if (opt := ref()) is not None])
-                    + gradients_to_come_bytes([p for ref in params if (p := ref()) is not None]))
-
-        host = int(host_share * memory.device_bytes(torch.device("cpu")))
-        return cls(memory.USABLE_FRACTION * memory.device_bytes(device), lambda: torch.cuda.memory_allocated(device),
-                   future_state, host, device)
-
-    def at_step_start(self) -> None:
-        self.resident = self._allocated() + self.future_state()
-
-    def kept(self) -> int:
-        return self._allocated() + self.future_state() if self.resident is None else self.resident
-
-    def available(self, key: str, working: int) -> int:
-        """Bytes the graph ``key`` may save, given its working set ``working``."""
-        others = sum(b for k, b in self.reserved.items() if k != key)
-        return int(self.capacity - self.kept() - others
-                   - max(self.working, working) - SCRATCH_BYTES)
-
-    def host_available(self, key: str) -> int:
-        """Host bytes the graph ``key`` may move its saved activations to."""
-        return self.host_capacity - sum(b for k, b in self.host_reserved.items() if k != key)
-
-    def reserve(self, key: str, saved: int, working: int, host: int = 0) -> None:
-        self.reserved[key] = saved
-        self.host_reserved[key] = host
-        self.workings[key] = working
-        self.working = max(self.working, working)
-
-
-def lazy_optimizer_state_bytes(optimizers: list) -> int:
-    """Two moments per parameter (its local shard, if sharded) for each optimizer that has no
-    state for it yet."""
-    total = 0
-    for opt in optimizers:
-        state = getattr(opt, "state", {})
-        for group in getattr(opt, "param_groups", ()):
-            total += sum(2 * memory.tensor_bytes(getattr(p, "_local_tensor", p)) for p in group["params"]
-                         if not state.get(p))
-    return total
-
-
-def gradients_to_come_bytes(params: list) -> int:
-    """The gradients (their local shards, if sharded) of the parameters that train and have none yet."""
-    return sum(memory.tensor_bytes(getattr(p, "_local_tensor", p)) for p in params
-               if p.requires_grad and p.grad is None)
 
 
 class BudgetedPartitioner(CustomPartitionerFn):
@@ -175,28 +73,28 @@ class BudgetedPartitioner(CustomPartitionerFn):
     sites, and that share in the identity.
     """
 
-    def __init__(self, ledger: MemoryLedger, key: str, uses: int = 1, richer: plan_share.Share | None = None):
+    def __init__(self, ledger: MemoryLedger, key: str, uses: int = 1, richer: Share | None = None):
         self.ledger = ledger
         self.key = key
         self.uses = uses
-        # A compile of the graph for the call sites of ``richer`` (plan_share.py): that plan, its
+        # A compile of the graph for the call sites of ``richer`` (share.py): that plan, its
         # memory already reserved by the graph's own compile.
         self.richer = richer
         self.chosen: float | None = None  # the budget of the plan kept
         self.available = 0  # the bytes that plan had to fit
         self.fits = True
         self.offloaded = 0  # bytes of saved activations moved to host memory (all uses)
-        self.candidates: plan_share.Candidates | None = None  # for settle_share, after the partition
+        self.candidates: Candidates | None = None  # for settle_share, after the partition
 
     def __call__(self, gm: torch.fx.GraphModule, joint_inputs, **kwargs):
         static = kwargs.get("static_lifetime_input_indices") or ()
         user_outputs = kwargs["num_fwd_outputs"]
-        trials: dict[float, plan_share.Plan] = {}
+        trials: dict[float, Plan] = {}
 
         def plan(budget: float):
             with torch._functorch.config.patch(activation_memory_budget=budget):
                 parts = min_cut_rematerialization_partition(copy_module(gm), joint_inputs, **kwargs)
-            trials[budget] = plan_share.Plan(parts, budget, saved_bytes(parts[1], static))
+            trials[budget] = Plan(parts, budget, saved_bytes(parts[1], static))
             return parts, trials[budget].saved * self.uses
 
         if self.richer is not None and (parts := self._richer_plan(plan, user_outputs)) is not None:
@@ -223,7 +121,7 @@ class BudgetedPartitioner(CustomPartitionerFn):
                     best = parts, on_gpu
         if self.richer is None and self.fits and self.uses > 1:
             others = [p for b, p in sorted(trials.items()) if b > best_budget]
-            self.candidates = plan_share.Candidates.of(trials[best_budget], moved, others, working, user_outputs)
+            self.candidates = Candidates.of(trials[best_budget], moved, others, working, user_outputs)
         offload.apply(*best[0], moved)
         self.chosen = best_budget
         if self.richer is not None:  # not the graph the share was chosen for: a plan fitting what is left
@@ -232,12 +130,12 @@ class BudgetedPartitioner(CustomPartitionerFn):
         self.ledger.reserve(self.key, best[1], working + offload.value_bytes(moved), self.offloaded)
         return best[0]
 
-    def settle_share(self) -> plan_share.Share | None:
+    def settle_share(self) -> Share | None:
         """The richer plan for some of the graph's call sites in what the step's plans leave over
         (called once every graph of the step has its plan), its memory reserved; None if none."""
         if self.candidates is None:
             return None
-        found = plan_share.richer_share(self.candidates, self.uses, self.ledger.device,
+        found = richer_share(self.candidates, self.uses, self.ledger.device,
                                         lambda w: self.ledger.available(self.key, w),
                                         self.ledger.host_available(self.key))
         self.candidates = None  # the partitions it held

@@ -1,9 +1,9 @@
 """Saved activations moved to host memory: which ones can, and the edit of the partitioned graphs.
 
-On one GPU the budget search (budget.py) can find that the plan saving every
+On one GPU the budget search (partitioner.py) can find that the plan saving every
 matmul output the backward needs does not fit, and settle on one that
 recomputes some (the full preset's block recomputes its V, O and FFN input
-projections: ~0.75 s of matmul a step). With offload on, budget.py compares
+projections: ~0.75 s of matmul a step). With offload on, partitioner.py compares
 plans of larger budgets, each with enough of its saved values moved to host
 memory for the rest to fit the GPU, and keeps the one recomputing the fewest
 matmul FLOPs. A moved value is copied out in the forward once its last
@@ -20,7 +20,7 @@ import torch
 import torch.fx as fx
 
 import custom_ops.activation_offload  # noqa: F401 (registers the ops)
-from compile_stack.memory import size_hint, tensor_bytes
+from compile_stack.memory_plan.sizes import size_hint, tensor_bytes
 from passes.graph_edit import inverse_permutation, memory_order
 
 # Smaller values are left on the GPU: a copy's fixed costs would outweigh what they free.

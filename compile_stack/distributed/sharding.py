@@ -1,10 +1,11 @@
-"""FSDP2 sharding groups and the loss over ranks: what the data-parallel step (``distributed.py``)
-and the harness's stock step share, kept apart so that the stock step needs nothing else of ours."""
+"""FSDP2 sharding by the model's repeated blocks, and the loss and parameters over ranks."""
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.fsdp import fully_shard
+from torch.distributed.tensor import DTensor
 
+from compile_stack.capture.blocks import block_list
 from custom_ops.checks import require
 
 
@@ -34,3 +35,16 @@ def mean_over_ranks(loss: torch.Tensor) -> torch.Tensor:
     total = loss.detach().clone()
     dist.all_reduce(total)  # SUM: gloo has no AVG
     return total / dist.get_world_size()
+
+
+def shard_blocks(model: nn.Module, reshard_after_forward: bool = True) -> nn.Module:
+    """Shard any model in place with FSDP2: a group per repeated block (``blocks.block_list``),
+    then the root; return it."""
+    return shard_groups(block_list(model), model, reshard_after_forward)
+
+
+def full_params(module: nn.Module) -> dict[str, torch.Tensor]:
+    """``module``'s parameters by name, each gathered whole (a collective: call on every rank)."""
+    with torch.no_grad():
+        return {name: (p.full_tensor() if isinstance(p, DTensor) else p).detach().clone()
+                for name, p in module.named_parameters()}

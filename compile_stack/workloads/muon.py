@@ -13,7 +13,7 @@ the AdamW updates one fused call.
 
 ``params`` is either
 - an iterable of parameters (``model.parameters()``, as ``run_step.py
-  --optimizer compile_stack.muon:Muon`` passes it). Muon takes the *hidden
+  --optimizer compile_stack.workloads.muon:Muon`` passes it). Muon takes the *hidden
   matrices*: 2-D parameters whose larger side is at most ``HIDDEN_ASPECT`` (4)
   times the smaller. The 8B model's 4096×4096 attention projections and its
   11008×4096 and 4096×11008 MLP matrices are hidden; its 151936×4096 embedding

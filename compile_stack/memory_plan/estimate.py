@@ -34,16 +34,10 @@ The estimate is deliberately simple and errs high; it is a guard, not a plan.
   count (CUDA context, NCCL and cuBLAS buffers) and to fragmentation, which
   ``expandable_segments`` (compile_stack turns it on at import) keeps small.
 """
-import os
+from typing import Protocol
 
-import torch
-
-from compile_stack.config import ModelConfig
 from custom_ops.linear_cross_entropy import CHUNK_BYTES as CE_CHUNK_BYTES
 
-GIB = 2**30
-# Of the memory a device reports, the share a run may plan to use (allocator slack).
-USABLE_FRACTION = 0.95
 KNAPSACK_OVERSHOOT = 1.1
 # The partitioner's plans for the full preset's block in 16-bit dtypes, keyed by (d_model,
 # d_ff, heads, bytes per element): (budget from which a plan holds, d-wide tensors, d_ff-wide
@@ -59,19 +53,33 @@ MEASURED_PLANS = {
 }
 
 
-def _saved_row_bytes(cfg: ModelConfig, nbytes: int, d_wide: int, ff_wide: int, norm_stats: bool = True) -> float:
+class DecoderShape(Protocol):
+    """The sizes of a pre-norm decoder's train step the estimate reads (a harness's config)."""
+
+    layers: int
+    seq: int
+    batch: int
+    d_model: int
+    heads: int
+    d_ff: int
+    vocab: int
+    params: int  # every parameter
+    tokens: int  # batch × seq
+
+
+def _saved_row_bytes(cfg: DecoderShape, nbytes: int, d_wide: int, ff_wide: int, norm_stats: bool = True) -> float:
     """Per token: ``d_wide`` d-wide and ``ff_wide`` d_ff-wide tensors, attention's fp32
     log-sum-exp (one per head) and, with ``norm_stats``, the two norms' fp32 statistics."""
     return (d_wide * cfg.d_model + ff_wide * cfg.d_ff) * nbytes + cfg.heads * 4 + (2 * 4 if norm_stats else 0)
 
 
-def _token_bytes_per_layer(cfg: ModelConfig, nbytes: int) -> tuple[float, float]:
+def _token_bytes_per_layer(cfg: DecoderShape, nbytes: int) -> tuple[float, float]:
     """(floor, everything) bytes a layer saves per token."""
     return _saved_row_bytes(cfg, nbytes, 3, 0, norm_stats=False), _saved_row_bytes(cfg, nbytes, 10, 3)
 
 
 def estimate_peak_bytes(
-    cfg: ModelConfig, compiled: bool, memory_budget: float = 1.0, nbytes: int = 2, world: int = 1
+    cfg: DecoderShape, compiled: bool, memory_budget: float = 1.0, nbytes: int = 2, world: int = 1
 ) -> float:
     """Peak bytes on one device; with ``world`` data-parallel ranks the state is sharded
     across them and each holds batch/world sequences."""
@@ -96,7 +104,7 @@ def estimate_peak_bytes(
     return max(backward_start, state + working)
 
 
-def saved_bytes_per_token(cfg: ModelConfig, memory_budget: float, nbytes: int = 2) -> float:
+def saved_bytes_per_token(cfg: DecoderShape, memory_budget: float, nbytes: int = 2) -> float:
     """Bytes one compiled layer saves for its backward, per token, at ``memory_budget``."""
     plans = MEASURED_PLANS.get((cfg.d_model, cfg.d_ff, cfg.heads, nbytes))
     if plans is not None:
@@ -105,29 +113,3 @@ def saved_bytes_per_token(cfg: ModelConfig, memory_budget: float, nbytes: int = 
     floor, everything = _token_bytes_per_layer(cfg, nbytes)
     # The partitioner's knapsack can save more than the proportional line.
     return floor + min(1.0, KNAPSACK_OVERSHOOT * memory_budget) * (everything - floor)
-
-
-def fits(estimate_bytes: float, device_bytes: float) -> bool:
-    """Whether an estimated peak leaves the allocator its slack on a device of ``device_bytes``."""
-    return estimate_bytes <= USABLE_FRACTION * device_bytes
-
-
-def device_bytes(device: torch.device) -> float:
-    """Memory a run on ``device`` can have: the GPU's, or the machine's RAM for the CPU."""
-    if device.type == "cuda":
-        return torch.cuda.get_device_properties(device).total_memory
-    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-
-
-def size_hint(size) -> int:
-    """A size as an int: a symbolic one by the example value it was traced with (0 if none)."""
-    if isinstance(size, torch.SymInt):
-        return int(size.node.hint) if size.node.has_hint() else 0
-    return int(size)
-
-
-def tensor_bytes(value) -> int:
-    """Bytes of a (fake) tensor, a symbolic size by its example value; 0 for anything else."""
-    if not isinstance(value, torch.Tensor):
-        return 0
-    return size_hint(value.numel()) * value.element_size()

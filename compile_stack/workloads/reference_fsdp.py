@@ -1,4 +1,4 @@
-"""Data-parallel train step over N processes: FSDP2 sharding, our passes and ops.
+"""The reference model's data-parallel train step over N processes: FSDP2 sharding, our passes and ops.
 
     torchrun --nproc-per-node 2 run_step.py --compile
 
@@ -33,54 +33,19 @@ full-batch mean's and AdamW sees exactly it. The step returns the loss
 averaged over ranks: the full-batch loss.
 """
 import contextlib
-import os
 from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.fsdp import FSDPModule
-from torch.distributed.tensor import DTensor
 
-from compile_stack.blocks import block_list
-from compile_stack.reference import Transformer
-from compile_stack.regional import BlockwiseLoss
-from compile_stack.sharding import mean_over_ranks, shard_groups
-from compile_stack.user_step import CompiledOptimizerStep, StepOptions, backend_factory
+from compile_stack.capture.optimizer_step import CompiledOptimizerStep
+from compile_stack.capture.step import StepOptions, backend_factory
+from compile_stack.distributed.sharding import full_params, mean_over_ranks, shard_groups
+from compile_stack.workloads.reference import Transformer
+from compile_stack.workloads.regional import BlockwiseLoss
 from custom_ops.checks import require
-
-ENV_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
-
-
-def is_distributed() -> bool:
-    """Whether this process was started by torchrun with more than one process."""
-    return int(os.environ.get("WORLD_SIZE", "1")) > 1
-
-
-def setup_distributed() -> tuple[int, int, torch.device]:
-    """Join the process group torchrun describes: (rank, world size, this rank's device).
-
-    One GPU per process (``cuda:LOCAL_RANK``, NCCL), or the CPU with gloo.
-    """
-    missing = [v for v in ENV_VARS if v not in os.environ]
-    require(not missing, "environment", f"torchrun's variables {ENV_VARS}", f"{missing} missing")
-    local_rank = int(os.environ["LOCAL_RANK"])
-    if torch.cuda.is_available():
-        device = torch.device("cuda", local_rank)
-        torch.cuda.set_device(device)
-    else:
-        device = torch.device("cpu")
-    if not dist.is_initialized():
-        dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
-    return dist.get_rank(), dist.get_world_size(), device
-
-
-def shard_batch(tensor: torch.Tensor, rank: int, world: int) -> torch.Tensor:
-    """This rank's contiguous share of the global batch (dim 0)."""
-    require(tensor.dim() >= 1 and tensor.shape[0] % world == 0, "tensor",
-            f"a batch dimension divisible by the world size {world}", tuple(tensor.shape))
-    share = tensor.shape[0] // world
-    return tensor[rank * share:(rank + 1) * share]
 
 
 def shard_model(model: Transformer, reshard_after_forward: bool = True) -> BlockwiseLoss:
@@ -90,14 +55,8 @@ def shard_model(model: Transformer, reshard_after_forward: bool = True) -> Block
     Blocks prefetch their neighbour's parameters (the next block in forward,
     the previous one in backward) so its all-gather overlaps this block's compute.
     """
-    require(isinstance(model, Transformer), "model", "a compile_stack.reference.Transformer", type(model).__name__)
+    require(isinstance(model, Transformer), "model", "a compile_stack.workloads.reference.Transformer", type(model).__name__)
     return shard_groups(list(model.blocks), BlockwiseLoss(model), reshard_after_forward)
-
-
-def shard_blocks(model: nn.Module, reshard_after_forward: bool = True) -> nn.Module:
-    """Shard any model in place with FSDP2: a group per repeated block (``blocks.block_list``),
-    then the root; return it."""
-    return shard_groups(block_list(model), model, reshard_after_forward)
 
 
 class LocalShards:
@@ -176,10 +135,3 @@ def gather_full_params(step_or_model) -> dict[str, torch.Tensor]:
     require(isinstance(root, BlockwiseLoss) and isinstance(root, FSDPModule), "step_or_model",
             "a DistributedTrainStep or the BlockwiseLoss shard_model returned", type(root).__name__)
     return full_params(root.model)
-
-
-def full_params(module: nn.Module) -> dict[str, torch.Tensor]:
-    """``module``'s parameters by name, each gathered whole (a collective: call on every rank)."""
-    with torch.no_grad():
-        return {name: (p.full_tensor() if isinstance(p, DTensor) else p).detach().clone()
-                for name, p in module.named_parameters()}

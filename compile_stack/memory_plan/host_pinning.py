@@ -14,15 +14,15 @@ from pathlib import Path
 
 import torch
 
-from compile_stack import settings
-from compile_stack.budget import plan_code_hash
+from compile_stack import caches
+from compile_stack.memory_plan.partitioner import plan_code_hash
 from custom_ops.activation_offload import TRANSFERS
 
 FILE = "offload_host_buffers.json"
 
 
 def _path() -> Path:
-    return settings.default_cache_dir() / "inductor" / FILE
+    return caches.default_cache_dir() / "inductor" / FILE
 
 
 def step_key(args, models: list, device_capacity: float, host_capacity: int) -> str:
@@ -37,7 +37,7 @@ def step_key(args, models: list, device_capacity: float, host_capacity: int) -> 
 
 
 def _read() -> dict:
-    table = settings.read_record(_path())
+    table = caches.read_record(_path())
     return table if isinstance(table, dict) else {}  # none yet, or damaged: only a head start is lost
 
 
@@ -56,4 +56,4 @@ def remember(key: str) -> None:
         return
     table = _read()
     table[key] = {str(n): c for n, c in needed.items()}
-    settings.write_record(_path(), table)  # where it cannot be written, the next start pins as it goes
+    caches.write_record(_path(), table)  # where it cannot be written, the next start pins as it goes

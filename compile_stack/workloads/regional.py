@@ -1,9 +1,9 @@
 """The reference model's loss compiled piece by piece, for its FSDP2 step only.
 
 In one process ``compile_step`` finds and compiles any model's repeated blocks
-(``blocks.py``). Under FSDP2 the hooks around each block split the forward
+(``capture/blocks.py``). Under FSDP2 the hooks around each block split the forward
 there, and this spelled-out form is what keeps the reference model's LM head
-and loss in one graph (``distributed.py``).
+and loss in one graph (``reference_fsdp.py``).
 
 ``BlockwiseLoss`` computes the same
 ``cross_entropy(model(inputs), targets).sum()`` from three compiled pieces:
@@ -19,7 +19,7 @@ blocks, norm, head), so it serves models of that structure only.
 import torch
 import torch.nn as nn
 
-from compile_stack.reference import Transformer, cross_entropy
+from compile_stack.workloads.reference import Transformer, cross_entropy
 from custom_ops.checks import require
 
 
@@ -28,7 +28,7 @@ class BlockwiseLoss(nn.Module):
 
     def __init__(self, model: Transformer):
         super().__init__()
-        require(isinstance(model, Transformer), "model", "a compile_stack.reference.Transformer", type(model).__name__)
+        require(isinstance(model, Transformer), "model", "a compile_stack.workloads.reference.Transformer", type(model).__name__)
         self.model = model
         self.embed = self._embed
         self.head_loss = self._head_loss

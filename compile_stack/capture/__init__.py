@@ -1,0 +1,3 @@
+"""Capture of the user's step: finding what it reaches (models, optimizers, repeated blocks) and
+turning it into graphs for the backend (``step.py``: ``compile_step``). May import ``backend``,
+``memory_plan``, ``caches`` and below; never ``distributed``, ``workloads`` or ``harness``."""

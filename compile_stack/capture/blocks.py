@@ -1,0 +1,135 @@
+"""Repeated blocks compiled once, for any model.
+
+Compiled whole, a model is one graph with every block inlined, and both
+Dynamo's and Inductor's work grow with depth. We find the repeated blocks
+(an ``nn.ModuleList``/``nn.Sequential`` whose elements share one class) and
+compile one block's graph for all of them, without spelling out any model's
+forward. Two ways, both automatic:
+
+1. **Block calls** (``BlockCalls``), when the step reaches the model by name
+   (its closure or globals): while the compiled step runs, each block's
+   ``forward`` is routed to ``backend.segments.call_block``, which Dynamo puts
+   into the captured graph as ONE node (``allow_in_graph``; Dynamo runs the
+   block on fake tensors for the output's metadata, once for all identical
+   blocks: ``block_fakes.py``) instead of tracing it. At run time that node
+   calls the block's forward compiled by ``torch.compile`` with our backend:
+   one graph for every block (Dynamo keys it on the code; the block's
+   parameters are graph inputs and guards keep it right for any block that
+   differs). Dynamo's tracing no longer grows with depth either.
+2. **Graph cut** (the fallback, e.g. a model passed in as an argument, or
+   blocks with hooks): Dynamo captures the forward whole, and the backend
+   cuts the graph where Dynamo says each node came from
+   (``backend/segments.py``).
+
+Either way the backend splits the captured graph into segments at the
+blocks and compiles the pieces between them; a model with no repeated blocks
+is compiled whole.
+"""
+import contextlib
+from collections.abc import Callable
+
+import torch
+from torch.nn.utils.stateless import _reparametrize_module
+
+from compile_stack.backend.segments import call_block, own_code, register_router
+from compile_stack.capture.block_fakes import FakeOutput, call_key
+
+
+def block_list(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """The model's repeated blocks by its structure: the largest ``nn.ModuleList``/``nn.Sequential``
+    whose elements (two or more) share one class; [] if it has none."""
+    best = []
+    for module in model.modules():
+        if isinstance(module, (torch.nn.ModuleList, torch.nn.Sequential)):
+            children = list(module.children())
+            if len(children) >= 2 and len({type(c) for c in children}) == 1 and len(children) > len(best):
+                best = children
+    return best
+
+
+def _class_forward(block: torch.nn.Module, *args, **kwargs):
+    """The block's own forward (its ``forward`` attribute is routed to ``call_block`` meanwhile)."""
+    return type(block).forward(block, *args, **kwargs)
+
+
+def _plain(module: torch.nn.Module) -> bool:
+    """No hooks on the module or inside it (a routed forward would skip nothing, but hooks such
+    as FSDP2's must run around the block's own call)."""
+    return not any(m._forward_hooks or m._forward_pre_hooks or m._backward_hooks or m._backward_pre_hooks
+                   or type(m).__call__ is not torch.nn.Module.__call__ for m in module.modules())
+
+
+class BlockCalls:
+    """The repeated blocks of ``model``, each call one node of the captured graph while routed."""
+
+    def __init__(self, blocks: list[torch.nn.Module], backend):
+        """``backend`` (a ``PassBackend``) compiles the block's forward; its call sites are the
+        blocks, the last ``backend.sites.richer`` of which take a richer plan (memory_plan/share.py)."""
+        self.blocks = blocks
+        self.backend = backend
+        self.tensor_names = [name for name, _ in self._named_tensors(blocks[0])]
+        # Static shapes, as the segments': Dynamo's automatic-dynamic history is keyed by code
+        # location, so another model's blocks (other sizes, the same ``_class_forward``) would
+        # otherwise compile with symbolic sizes, which the RoPE pass leaves as written.
+        self.compiled = torch.compile(own_code(_class_forward), backend=backend, dynamic=False)
+        self.compiled_richer = torch.compile(own_code(_class_forward), backend=backend.richer, dynamic=False)
+        self.key = register_router(self)
+        self.forwards = [self._forward(i) for i in range(len(blocks))]
+        self.tensors: list[tuple] = []  # each block's parameters and buffers while routed
+        self.fake_outputs: dict[tuple, FakeOutput | None] = {}  # by block_fakes.call_key
+
+    def fake_forward(self, block: torch.nn.Module, args: tuple, kwargs: dict, tensors: tuple):
+        """``block`` run on Dynamo's fake tensors, or, for a call whose key an earlier one had, a new
+        output of that one's metadata (block_fakes.py)."""
+        key = call_key(block, args, kwargs, tensors)
+        known = self.fake_outputs.get(key) if key is not None else None
+        if known is not None:
+            return known.make((args, kwargs, tensors))
+        with _reparametrize_module(block, dict(zip(self.tensor_names, tensors))):
+            output = _class_forward(block, *args, **kwargs)
+        if key is not None and key not in self.fake_outputs:
+            self.fake_outputs[key] = FakeOutput.of(output, (args, kwargs, tensors))
+        return output
+
+    def compiled_for(self, index: int) -> Callable:
+        return self.compiled_richer if self.backend.sites.takes_richer(index) else self.compiled
+
+    @staticmethod
+    def _named_tensors(block):
+        return [*block.named_parameters(), *block.named_buffers()]
+
+    def _forward(self, index: int):
+        key = self.key
+
+        def forward(*args, **kwargs):
+            return call_block(key, index, args, kwargs, self.tensors[index])
+
+        return forward
+
+    @classmethod
+    def of(cls, model: torch.nn.Module, make_backend: Callable[[int], object]) -> "BlockCalls | None":
+        """``model``'s blocks, or None where they cannot be routed (none; hooks; differing tensors);
+        ``make_backend(number of blocks)`` makes the blocks' backend."""
+        blocks = block_list(model)
+        if not blocks or not all(_plain(b) for b in blocks):
+            return None
+        names = [[n for n, _ in cls._named_tensors(b)] for b in blocks]
+        if any(n != names[0] for n in names):
+            return None
+        return cls(blocks, make_backend(len(blocks)))
+
+    @contextlib.contextmanager
+    def routed(self):
+        """While active, each block's ``forward`` is its ``call_block`` node.
+
+        Each block's parameters and buffers are listed here, outside Dynamo: traced, walking a
+        block's ``named_parameters()`` generators cost ~4 s per trace of a 34-block step."""
+        self.tensors = [tuple(t for _, t in self._named_tensors(b)) for b in self.blocks]
+        for block, forward in zip(self.blocks, self.forwards):
+            block.forward = forward
+        try:
+            yield
+        finally:
+            self.tensors = []
+            for block in self.blocks:
+                del block.forward

@@ -1,0 +1,188 @@
+"""The user's optimizer step compiled as its own graph, its Python scalars traced as symbols.
+
+Dynamo would bake an optimizer's Python step count and a scheduler's ``lr`` in
+as constants and recompile at each change; ``CompiledOptimizerStep`` compiles
+``optimizer.step`` with those traced as symbols from the first compile, and
+routes the optimizer's ``step`` and ``zero_grad`` while the compiled step runs.
+"""
+import contextlib
+import dis
+import re
+
+import torch
+
+from compile_stack.backend import PassBackend
+from compile_stack.capture.reachable import inspect_target
+from passes.registry import note
+
+
+def step_counter_sources(optimizer) -> str:
+    """Dynamo sources of an optimizer's Python scalars, to trace as symbols from the first compile.
+
+    A hand-written optimizer keeps its step count as a Python int (an
+    attribute, or an entry of ``self.state[p]``) and ``torch.optim`` keeps
+    ``lr`` as a float a scheduler changes; Dynamo would bake each in as a
+    constant at the first compile and recompile at the first change. Returned
+    as regular expressions (``dynamic_sources`` matches them with
+    ``re.match``; they hold no comma or space): the optimizer is ``self`` of
+    whichever frame Dynamo compiles for ``torch.compile(optimizer.step)``
+    (the bound method's ``L['fn'].__self__``, the step's own ``L['self']``,
+    or ``L['args'][0]`` inside torch.optim's step wrapper). Every int is named.
+    Floats only of torch.optim's own optimizers, and only an lr (``lr``,
+    ``*_lr``, ``lr_*``, ``learning_rate``): the fused update takes lr as a
+    tensor but its betas, eps and weight decay as constants, so those stay
+    specialized (a change recompiles). A hand-written step mixes lr with its
+    Python-int step in Python arithmetic (lr·√(1−β₂ᵗ)/(1−β₁ᵗ)), which Dynamo
+    cannot keep symbolic: it would specialize lr there (a guard: a change
+    recompiles anyway) and keep it a graph input elsewhere, and that
+    half-symbolic update has no one lr the AdamW pass could prove; baked in,
+    it is fused. Dynamo's ``dynamic_sources`` applies to ints only:
+    ``CompiledOptimizerStep`` makes the named floats symbolic, and keeps a
+    hand-written optimizer's floats constants.
+    """
+    this = CompiledOptimizerStep.SELF_SOURCE
+
+    floats = type(optimizer).__module__.startswith("torch.optim.")
+
+    def wanted(key, value):
+        lr = floats and isinstance(key, str) and re.search(r"(^|_)lr($|_)|learning_rate", key) is not None
+        return isinstance(key, str) and (type(value) is int or (type(value) is float and lr))
+
+    names = [rf"{this}\.{re.escape(name)}$" for name, value in vars(optimizer).items() if wanted(name, value)]
+    for i, group in enumerate(getattr(optimizer, "param_groups", ())):
+        names += [rf"{this}\.param_groups\[{i}\]\[{re.escape(repr(key))}\]$" for key, value in group.items()
+                  if wanted(key, value)]
+    state_keys = {key for entry in getattr(optimizer, "state", {}).values() if isinstance(entry, dict)
+                  for key, value in entry.items() if wanted(key, value)}
+    names += [rf"{this}\.state\[.*\]\[{re.escape(repr(key))}\]$" for key in sorted(state_keys)]
+    return ",".join(names)
+
+
+class CompiledOptimizerStep:
+    """``optimizer.step`` compiled with ``backend``; a graph break for an enclosing compiled step.
+
+    The sources ``step_counter_sources`` names are traced as symbols from the
+    first compile: ints through ``dynamic_sources``, floats (which that
+    setting does not reach) by telling Dynamo's automatic-dynamic bookkeeping
+    that they have already changed, as it would itself after a recompile.
+    A hand-written optimizer's floats stay constants even after they change
+    (Dynamo would make them symbols at the second value, and a half-symbolic
+    lr is not fusable, see ``step_counter_sources``): a new lr recompiles the
+    step, fused again, up to Dynamo's recompile limit, past which the step
+    runs eagerly.
+
+    A ``torch.optim.Optimizer`` subclass whose ``step`` assigns attributes
+    (``self.t += 1``) runs eagerly: Dynamo (2.13) traces such an optimizer as
+    its OptimizerVariable, which drops attribute stores, so the compiled step
+    would silently keep ``self.t`` at its old value.
+    """
+
+    # The optimizer, as the frames Dynamo compiles for ``torch.compile(optimizer.step)`` name it.
+    SELF_SOURCE = r"(?:L\['fn'\]\.__self__|L\['self'\]|L\['args'\]\[0\])"
+
+    def __init__(self, optimizer, backend: PassBackend):
+        self.optimizer = optimizer
+        self.original = optimizer.step
+        stores = self._attribute_stores(optimizer)
+        if stores:
+            note("optimizer", f"{type(optimizer).__name__}.step runs eagerly: it assigns attributes "
+                              f"({', '.join(sorted(stores))}), which Dynamo drops for torch.optim.Optimizer subclasses")
+        # Eagerly means wholly outside Dynamo: a non-recursive disable would let the train step's compile trace it.
+        self.compiled = (torch._dynamo.disable(self.original) if stores
+                         else torch.compile(self.original, backend=backend))
+        self.call = torch._dynamo.disable(self._run, recursive=False)
+        self.zero_grad = torch._dynamo.disable(optimizer.zero_grad)
+
+    def _run(self, *args, **kwargs):
+        sources = step_counter_sources(self.optimizer)
+        static = not type(self.optimizer).__module__.startswith("torch.optim.")
+        with (torch.compiler.config.patch(dynamic_sources=sources), self._dynamic_floats(sources, static),
+              self._single_tensor()):
+            return self.compiled(*args, **kwargs)
+
+    @contextlib.contextmanager
+    def _single_tensor(self):
+        """torch.optim's per-parameter form while compiled, not its foreach form.
+
+        The foreach form hands ``1 - lr·wd`` and the step sizes to ``_foreach_*`` ops as
+        Python numbers, so Dynamo bakes lr in and a scheduler recompiles the step at every new
+        lr (eager past the recompile limit). The single-tensor form keeps lr a symbol; it is the
+        same update, and the AdamW pass fuses it into one call either way. Capturable groups
+        too: on a GPU, Dynamo's first trace sets ``capturable`` in groups without state, and a
+        second call taking the foreach form then compiled the step again.
+        """
+        saved = [(g, g["foreach"]) for g in getattr(self.optimizer, "param_groups", ())
+                 if isinstance(self.optimizer, torch.optim.Optimizer) and "foreach" in g
+                 and g["foreach"] is not False and not g.get("fused")]
+        for group, _ in saved:
+            group["foreach"] = False
+        try:
+            yield
+        finally:
+            for group, foreach in saved:
+                group["foreach"] = foreach
+
+    @staticmethod
+    def _attribute_stores(optimizer) -> set[str]:
+        """Attributes a hand-written ``torch.optim.Optimizer`` subclass's ``step`` assigns (but a
+        tensor's ``data``/``grad``); empty for others, whose attribute stores Dynamo keeps."""
+        if not isinstance(optimizer, torch.optim.Optimizer) or type(optimizer).__module__.startswith("torch.optim."):
+            return set()
+        fn = inspect_target(type(optimizer).step)
+        code = getattr(fn, "__code__", None)
+        if code is None:
+            return set()
+        return {i.argval for i in dis.get_instructions(code)
+                if i.opname in ("STORE_ATTR", "DELETE_ATTR") and i.argval not in ("data", "grad")}
+
+    @classmethod
+    @contextlib.contextmanager
+    def _dynamic_floats(cls, sources: str, static: bool):
+        """Floats named in ``sources`` symbolic from their first value; with ``static``, the
+        optimizer's other floats constants at every value."""
+        from torch._dynamo import pgo
+        from torch._dynamo.variables import builder
+
+        if not hasattr(builder, "process_automatic_dynamic"):  # a torch without it: floats as Dynamo decides
+            yield
+            return
+        patterns = [re.compile(s) for s in sources.split(",") if s]
+        own = re.compile(cls.SELF_SOURCE + r"[.\[]")
+        original = builder.process_automatic_dynamic
+
+        def process(tx, name, entry, **kwargs):
+            if isinstance(entry.scalar, float) and any(p.match(name) for p in patterns):
+                entry = pgo.FrameStateSizeEntry.make_scalar(pgo.auto_dynamic)
+            elif isinstance(entry.scalar, float) and static and own.match(name):
+                return entry  # not recorded: never automatic-dynamic, a constant with a guard
+            return original(tx, name, entry, **kwargs)
+
+        builder.process_automatic_dynamic = process
+        try:
+            yield
+        finally:
+            builder.process_automatic_dynamic = original
+
+    @contextlib.contextmanager
+    def routed(self):
+        """While active, ``optimizer.step`` runs the compiled update and ``optimizer.zero_grad``
+        runs eagerly, as a graph break: traced, its ``p.grad = None`` would be applied only after
+        the forward graph ran, keeping last step's gradients alive through the forward."""
+        with (routed_attribute(self.optimizer, "step", self.call),
+              routed_attribute(self.optimizer, "zero_grad", self.zero_grad)):
+            yield
+
+
+@contextlib.contextmanager
+def routed_attribute(obj, name: str, replacement):
+    """``obj.name`` is ``replacement`` while active (an instance attribute), then as it was."""
+    had_own = name in vars(obj)
+    own = vars(obj).get(name)
+    setattr(obj, name, replacement)
+    try:
+        yield
+    finally:
+        if had_own:
+            setattr(obj, name, own)
+        else:
+            delattr(obj, name)
