@@ -32,10 +32,14 @@ from compile_stack.distributed import shard_blocks
 from passes import registry
 
 
-def pass_report() -> dict:
-    """What our passes replaced in this process's compiles so far, per pass (a block's graph
-    counts once per block that calls it), and notes on what they saw but left alone."""
-    return {"replacements": registry.REPORT.as_dict(registry.pass_names()), "notes": list(registry.REPORT.notes)}
+def pass_report(step: CompiledStep | Backend | None = None) -> dict:
+    """What our passes replaced in ``step``'s graphs so far (None: the step compiled or run last),
+    per pass (a block's graph counts once per block that calls it), and notes on what they saw
+    but left alone."""
+    if step is not None and not isinstance(step, (CompiledStep, Backend)):
+        raise TypeError(f"step: expected a CompiledStep (from compile_step) or a Backend, got {type(step).__name__}")
+    report = registry.current() if step is None else step.report
+    return {"replacements": report.as_dict(registry.pass_names()), "notes": list(report.notes)}
 
 
 __all__ = ["Backend", "CompiledStep", "compile_step", "pass_report", "shard_blocks"]

@@ -4,7 +4,11 @@
   AOTAutograd caches, and Triton's kernel cache): ``$COMPILE_STACK_CACHE``,
   default ``~/.cache/compile_stack``. ``use_cache_dir(fresh=True)`` deletes what
   the package put there first (``CACHE_SUBDIRS``), for a measured cold start;
-  anything else in the directory is left alone.
+  anything else in the directory is left alone. Inductor and Triton take their
+  cache directories from environment variables only: the CLI, which owns its
+  process, sets them for good (``use_cache_dir``); a step compiled with
+  ``cache_dir=`` sets them only while it compiles and runs (``cache_dir_in_force``),
+  leaving the user's environment as it was.
 - What the package records beside the caches for a later start (pass reports,
   plan records, host buffers) is small JSON, written atomically
   (``write_record``) and read as None when missing or damaged (``read_record``).
@@ -38,13 +42,41 @@ def _delete(path: Path) -> None:
 
 
 def use_cache_dir(path: Path | None = None, fresh: bool = False) -> Path:
-    """Point Inductor's and Triton's caches at ``path`` (their old entries deleted first if ``fresh``).
+    """Point Inductor's and Triton's caches at ``path`` for the rest of the process (the CLI's):
+    ``prepare_cache_dir``, then its variables set."""
+    path = prepare_cache_dir(path, fresh)
+    os.environ.update(_variables(path))
+    return path
+
+
+@contextlib.contextmanager
+def cache_dir_in_force(path: Path):
+    """Inductor's and Triton's caches at ``path`` (made by ``prepare_cache_dir``) while active;
+    the variables as they were afterwards."""
+    saved = {name: os.environ.get(name) for name in _variables(path)}
+    os.environ.update(_variables(path))
+    try:
+        yield path
+    finally:
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
+
+
+def _variables(path: Path) -> dict[str, str]:
+    return {CACHE_ENV: str(path), "TORCHINDUCTOR_CACHE_DIR": str(path / "inductor"),
+            "TRITON_CACHE_DIR": str(path / "triton")}
+
+
+def prepare_cache_dir(path: Path | None = None, fresh: bool = False) -> Path:
+    """``path`` (default: ``default_cache_dir()``) made ready for the caches, their old entries
+    deleted first if ``fresh``.
 
     ``fresh`` deletes only the package's own subfolders (``CACHE_SUBDIRS``), so
     pointing ``--cache-dir`` at a directory that holds other files loses none.
     A path that is not a writable directory raises ValueError naming ``cache_dir``.
-    Must run before the first compile: both read the variables when they first
-    need a cache directory.
     """
     path = Path(path).expanduser() if path is not None else default_cache_dir()
     expected = "a writable directory (compile caches are written there)"
@@ -62,9 +94,6 @@ def use_cache_dir(path: Path | None = None, fresh: bool = False) -> Path:
                 pass
     except OSError as e:
         raise ValueError(f"cache_dir: expected {expected}, got {str(path)!r} ({e})") from e
-    os.environ[CACHE_ENV] = str(path)
-    os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(path / "inductor")
-    os.environ["TRITON_CACHE_DIR"] = str(path / "triton")
     return path
 
 

@@ -6,9 +6,9 @@ graph module to edit or partition while the original stays."""
 from collections.abc import Callable, Iterable
 
 import torch
-from torch._guards import detect_fake_mode
 from torch.fx.node import map_arg
 from torch.utils.checkpoint import CheckpointPolicy
+from torch_internals import fx
 
 aten, prims = torch.ops.aten, torch.ops.prims
 # A cast to another dtype, as Inductor's decompositions leave it.
@@ -45,7 +45,7 @@ def insert_call(graph: torch.fx.Graph, target, args, kwargs=None, fake_mode=None
     input dense)."""
     node = graph.call_function(target, tuple(args), kwargs or {})
     fake_args, fake_kwargs = map_arg((node.args, node.kwargs), fake_value)
-    fake_mode = fake_mode or detect_fake_mode((fake_args, fake_kwargs))
+    fake_mode = fake_mode or fx.detect_fake_mode((fake_args, fake_kwargs))
     if fake_mode is not None:
         with fake_mode:
             node.meta["val"] = target(*fake_args, **fake_kwargs)

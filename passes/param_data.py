@@ -30,8 +30,9 @@ import operator
 import torch
 
 from passes.registry import note, register_pass
+from torch_internals import fx
 
-_GET_DATA = torch._C._autograd._get_data_attr
+_GET_DATA = fx.get_data_attr
 # In-place operators Dynamo emits for `p.data op= x`; each returns its first argument.
 _INPLACE_OPERATORS = {operator.isub, operator.iadd, operator.imul, operator.itruediv}
 _INPLACE_METHODS = {"sub_", "add_", "mul_", "div_", "addcdiv_", "addcmul_", "copy_", "lerp_"}
@@ -56,7 +57,7 @@ def rewrite_param_data_updates(graph: torch.fx.Graph) -> int:
     grad_at: dict[torch.fx.Node, bool] = {}  # grad mode each node runs in
     for node in list(graph.nodes):
         grad_at[node] = grad_enabled
-        if node.op == "call_function" and node.target is torch._C._set_grad_enabled:
+        if node.op == "call_function" and node.target is fx.set_grad_enabled:
             grad_enabled = bool(node.args[0])
         elif node.op == "call_function" and node.target is _GET_DATA:
             source = node.args[0]
@@ -107,9 +108,9 @@ def _without_grad(graph: torch.fx.Graph, node: torch.fx.Node) -> None:
     update is in eager: AOTAutograd then knows the mutation is hidden from autograd and the graph
     stays an inference graph."""
     with graph.inserting_before(node):
-        graph.call_function(torch._C._set_grad_enabled, (False,))
+        graph.call_function(fx.set_grad_enabled, (False,))
     with graph.inserting_after(node):
-        graph.call_function(torch._C._set_grad_enabled, (True,))
+        graph.call_function(fx.set_grad_enabled, (True,))
 
 
 def _copy_equivalent(graph: torch.fx.Graph, set_node: torch.fx.Node, param: torch.fx.Node,

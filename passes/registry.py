@@ -9,12 +9,16 @@ name and an Inductor stage:
   backward can be replaced together;
 - ``post_grad``: each partitioned graph, after functionalization.
 
-``installed()`` puts one ``CustomGraphPass`` per stage into Inductor's config
+``installed()`` puts one ``inductor.CustomGraphPass`` per stage into Inductor's config
 hooks. Each has a stable ``uuid`` (a hash of the pass modules' source), so
-Inductor's FX-graph cache stays usable. Every run of a pass adds to
-``REPORT``: what each pass replaced, and notes on what it saw but left alone.
+Inductor's FX-graph cache stays usable. Every run of a pass adds to the
+``PassReport`` of the step being compiled (``reporting``, ``current``): what
+each pass replaced, and notes on what it saw but left alone. Each compiled step
+owns its report, so two steps in one process (a train and an eval step) keep
+theirs apart.
 """
 import contextlib
+import contextvars
 import dataclasses
 import importlib
 import inspect
@@ -23,9 +27,9 @@ from collections import Counter
 from collections.abc import Callable, Iterable, Iterator
 
 import torch
-from torch._inductor.custom_graph_pass import CustomGraphPass, get_hash_for_files
 
 from passes import graph_edit, rejection
+from torch_internals import inductor
 
 STAGES = ("pre_grad", "joint", "post_grad")
 # Inductor config hook per stage.
@@ -79,7 +83,28 @@ class PassReport:
         return {name: None if name in self.unknown else int(self.replacements.get(name, 0)) for name in names}
 
 
-REPORT = PassReport()
+# The report of the step being compiled or run in this context (``reporting``).
+_ACTIVE: contextvars.ContextVar[PassReport] = contextvars.ContextVar("cstack_pass_report")
+# The report last made active: where a pass called on its own (a test, a script) writes.
+_latest = PassReport()
+
+
+@contextlib.contextmanager
+def reporting(report: PassReport) -> Iterator[PassReport]:
+    """Passes write to ``report`` while active (and ``current()`` is it, afterwards too, until
+    another report is made active)."""
+    global _latest
+    token = _ACTIVE.set(report)
+    _latest = report
+    try:
+        yield report
+    finally:
+        _ACTIVE.reset(token)
+
+
+def current() -> PassReport:
+    """The report passes write to now: the active step's, else the one last active."""
+    return _ACTIVE.get(_latest)
 
 
 def register_pass(name: str, stage: str) -> Callable[[GraphPassFn], GraphPassFn]:
@@ -99,8 +124,9 @@ def register_pass(name: str, stage: str) -> Callable[[GraphPassFn], GraphPassFn]
 def note(pass_name: str, message: str) -> None:
     """Record something a pass saw but left alone (shown in the run's report)."""
     entry = f"{pass_name}: {message}"
-    if entry not in REPORT.notes:
-        REPORT.notes.append(entry)
+    notes = current().notes
+    if entry not in notes:
+        notes.append(entry)
 
 
 def load_all() -> dict[str, RegisteredPass]:
@@ -127,7 +153,7 @@ def resolve(names: Iterable[str] | None) -> list[RegisteredPass]:
     return sorted(chosen, key=lambda p: STAGES.index(p.stage))
 
 
-class StagePass(CustomGraphPass):
+class StagePass(inductor.CustomGraphPass):
     """Runs our passes of one stage, in order, and records what they did."""
 
     def __init__(self, stage: str, passes: list[RegisteredPass], observer=None):
@@ -137,7 +163,7 @@ class StagePass(CustomGraphPass):
         self.observer = observer
 
     def __call__(self, graph: torch.fx.Graph) -> None:
-        REPORT.runs[self.stage] += 1
+        current().runs[self.stage] += 1
         if self.observer:
             self.observer(self.stage, graph, "before")
         for p in self.passes:
@@ -153,14 +179,14 @@ class StagePass(CustomGraphPass):
                 continue
             if count:
                 graph.lint()
-                REPORT.replacements[p.name] += count
+                current().replacements[p.name] += count
         if self.observer:
             self.observer(self.stage, graph, "after")
 
     def uuid(self) -> bytes:
         files = tuple(sorted({f for p in self.passes for f in p.source_files}
                              | {__file__, graph_edit.__file__, rejection.__file__}))
-        return get_hash_for_files(files, extra=self.stage + ":" + ",".join(p.name for p in self.passes))
+        return inductor.get_hash_for_files(files, extra=self.stage + ":" + ",".join(p.name for p in self.passes))
 
 
 def _shape(graph: torch.fx.Graph) -> list[tuple]:
@@ -185,7 +211,7 @@ def installed(names: Iterable[str] | None = None, observer=None,
     passes = resolve(names)
     patch = {_HOOKS[stage]: sp for stage, sp in stage_passes(passes, observer).items()
              if sp.passes and stage in stages}
-    with torch._inductor.config.patch(patch):
+    with inductor.config_patch(patch):
         yield passes
 
 

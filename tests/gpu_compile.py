@@ -33,7 +33,7 @@ from triton.runtime.jit import mangle_type
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 from custom_ops.adamw import configs as adamw_configs  # noqa: E402
 from custom_ops.adamw import triton_kernels as adamw_kernels  # noqa: E402
-from custom_ops.attention import configs, gluon_kernels, triton_kernels  # noqa: E402
+from custom_ops.attention import configs, gluon_backward, gluon_common, gluon_forward, triton_kernels  # noqa: E402
 from custom_ops.batched_qr import configs as qr_configs  # noqa: E402
 from custom_ops.batched_qr import triton_kernels as qr_kernels  # noqa: E402
 from custom_ops.linear_cross_entropy import configs as xent_configs  # noqa: E402
@@ -181,7 +181,7 @@ def batched_qr_sources():
 
 
 def _gluon_desc(rows: int, dtype: torch.dtype, d: int) -> str:
-    return mangle_type(gluon_kernels._rows_desc(torch.empty(512, d, dtype=dtype), rows))
+    return mangle_type(gluon_common._rows_desc(torch.empty(512, d, dtype=dtype), rows))
 
 
 def hopper_sources():
@@ -195,15 +195,15 @@ def hopper_sources():
             tma_epilogue = configs.HOPPER_BWD_TMA_EPILOGUE[d]
             dkdv = _gluon_desc(bwd.block_n, dtype, d) if tma_epilogue else mangle_type(torch.empty(0, dtype=dtype))
             kernels = {
-                "hopper_fwd": (gluon_kernels._attn_fwd_hopper_kernel, fwd, {
+                "hopper_fwd": (gluon_forward._attn_fwd_hopper_kernel, fwd, {
                     "q_desc": _gluon_desc(fwd.block_m, dtype, d), "k_desc": _gluon_desc(fwd.block_n, dtype, d),
                     "v_desc": _gluon_desc(fwd.block_n, dtype, d), "o_desc": _gluon_desc(fwd.block_m // 2, dtype, d),
                     "LSE": "*fp32", "qk_scale": "fp32", "SQ": "i32", "SK": "i32",
                 }, {"COMPUTE_REGS": configs.HOPPER_FWD_COMPUTE_REGS}),
-                "hopper_bwd": (gluon_kernels._attn_bwd_hopper_kernel, bwd, {
+                "hopper_bwd": (gluon_backward._attn_bwd_hopper_kernel, bwd, {
                     "q_desc": _gluon_desc(bwd.block_m, dtype, d), "k_desc": _gluon_desc(bwd.block_n, dtype, d),
                     "v_desc": _gluon_desc(bwd.block_n, dtype, d), "do_desc": _gluon_desc(bwd.block_m, dtype, d),
-                    "dq_desc": mangle_type(gluon_kernels._fragments_desc(torch.empty(512, d))),
+                    "dq_desc": mangle_type(gluon_backward._fragments_desc(torch.empty(512, d))),
                     "DK": dkdv, "DV": dkdv,
                     "STATS": "*fp32", "qk_scale": "fp32", "scale": "fp32", "SQ": "i32", "SK": "i32",
                 }, {"PEEL_DIAGONAL": causal and configs.HOPPER_BWD_PEEL_DIAGONAL[d], "TMA_EPILOGUE": tma_epilogue,
@@ -217,7 +217,7 @@ def hopper_sources():
                        GluonASTSource(fn=fn, signature=sig, constexprs=constexprs), _options(t))
         yield f"delta_stats D{d}", delta_source(d, configs.HOPPER_BWD_ROWS, with_lse=True), {}
         yield (f"dq_from_fragments bf16 D{d}",
-               tc.ASTSource(fn=gluon_kernels._attn_dq_from_fragments_kernel,
+               tc.ASTSource(fn=gluon_backward._attn_dq_from_fragments_kernel,
                             signature={"ACC": "*fp32", "DQ": "*bf16", "HEAD_D": "constexpr"}, constexprs={"HEAD_D": d}),
                {"num_warps": 8})  # as dq_from_fragments launches it
 

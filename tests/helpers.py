@@ -49,11 +49,11 @@ def eager_and_compiled(model, step, passes: list[str], codegen: bool = False):
     """``step(model)`` run eagerly, then ``step`` of the model compiled with our ``passes`` (fresh
     Dynamo caches, an empty pass report): the two results, to compare."""
     from compile_stack.backend import PassBackend
-    from passes.registry import REPORT
+    from passes import registry
 
     eager = step(model)
     torch._dynamo.reset()
-    REPORT.clear()
+    registry.current().clear()
     backend = PassBackend(passes=passes, codegen=codegen)
     compiled_model = torch.compile(model, backend=backend)
     with backend.active():

@@ -63,10 +63,10 @@ def test_an_accumulation_loop_fuses_its_loss_and_equals_eager(make_step):
     for got, expected in zip(state_tensors(optimizer) + list(model.parameters()),
                              state_tensors(eager_optimizer) + list(eager_model.parameters())):
         torch.testing.assert_close(got, expected, **STATE_TOLERANCE)
-    assert registry.REPORT.replacements["cross_entropy"] == 1  # the body's graph, every micro-batch
-    assert registry.REPORT.replacements["attention"] == 2  # the blocks' graph, compiled once
-    assert any(n.startswith("step: 1 loop body calling backward()") for n in registry.REPORT.notes)
-    assert not any("ran the step's own code eagerly" in n for n in registry.REPORT.notes)
+    assert registry.current().replacements["cross_entropy"] == 1  # the body's graph, every micro-batch
+    assert registry.current().replacements["attention"] == 2  # the blocks' graph, compiled once
+    assert any(n.startswith("step: 1 loop body calling backward()") for n in registry.current().notes)
+    assert not any("ran the step's own code eagerly" in n for n in registry.current().notes)
 
 
 class Loss:

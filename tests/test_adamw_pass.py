@@ -87,7 +87,7 @@ def graphs(monkeypatch):
     """The graphs as our joint-stage passes leave them; fresh Dynamo state, empty report, no Inductor
     caches (a cache hit would skip the passes)."""
     torch._dynamo.reset()
-    registry.REPORT.clear()
+    registry.current().clear()
     seen = record_graphs(monkeypatch)
     with torch._inductor.config.patch(force_disable_caches=True):
         yield seen
@@ -138,7 +138,7 @@ def chain_ops(graph):
 def check_fused(graphs, fused_graphs, states, dtype):
     """One fused call per optimizer graph and no update chain left; results as the op's and the optimizer's."""
     compiled, eager, direct = states
-    assert registry.REPORT.replacements["adamw"] == fused_graphs
+    assert registry.current().replacements["adamw"] == fused_graphs
     updating = [g for g in graphs if any(n.target is FUSED for n in g.nodes)]
     assert len(updating) == fused_graphs
     for graph in updating:
@@ -158,15 +158,15 @@ def test_adamw_update_becomes_one_fused_call(graphs, kind, dtype):
     # The reference optimizer compiles twice: t baked in (t = 1), then t symbolic (t = 2, 3, 4).
     states = train(kind, make_model(dtype), steps=4)
     check_fused(graphs, 2 if kind == "reference" else 1, states, dtype)
-    assert not registry.REPORT.notes
+    assert not registry.current().notes
 
 
 @pytest.mark.parametrize("kind", ["sgd_momentum", "adam_l2", "amsgrad", "maximize", "eps_inside_sqrt", "clipped"])
 def test_other_updates_are_left_alone(graphs, kind):
     compiled, eager, _ = train(kind, make_model(torch.float32), steps=2)
-    assert registry.REPORT.replacements["adamw"] == 0
+    assert registry.current().replacements["adamw"] == 0
     assert not any(n.target is FUSED for g in graphs for n in g.nodes)
-    assert any(note.startswith("adamw: left") for note in registry.REPORT.notes), registry.REPORT.notes
+    assert any(note.startswith("adamw: left") for note in registry.current().notes), registry.current().notes
     for c, e in zip(compiled, eager):
         torch.testing.assert_close(c, e)
 
@@ -197,7 +197,7 @@ def test_capturable_torch_adamw_is_fused(graphs):
     compiled = torch.optim.AdamW(model.parameters(), **HYPER, foreach=False, capturable=True)
     eager = torch.optim.AdamW(eager_model.parameters(), **HYPER, foreach=False)
     step_side_by_side(compiled, eager, model, eager_model)
-    assert registry.REPORT.replacements["adamw"] == 1
+    assert registry.current().replacements["adamw"] == 1
     assert_same_state(compiled, eager, model, eager_model)
 
 
@@ -216,9 +216,9 @@ def test_an_update_of_symbolic_shapes_is_fused_or_left_alone_with_a_note(graphs,
         step_side_by_side(compiled, eager, model, eager_model, dynamic=True)
     assert any(isinstance(s, torch.SymInt) for g in graphs for n in g.nodes if n.op == "placeholder"
                and isinstance(n.meta.get("val"), torch.Tensor) for s in n.meta["val"].shape)
-    notes = registry.REPORT.notes
+    notes = registry.current().notes
     assert not any("failed" in n for n in notes), notes
-    assert registry.REPORT.replacements["adamw"] == 1 or (notes and all(n.startswith("adamw: left") for n in notes))
+    assert registry.current().replacements["adamw"] == 1 or (notes and all(n.startswith("adamw: left") for n in notes))
     assert_same_state(compiled, eager, model, eager_model)
 
 
@@ -232,7 +232,7 @@ def test_param_groups_get_one_call_each(graphs):
                                {"params": [p for p in eager_model.parameters() if p.dim() == 1],
                                 "weight_decay": 0.0, "lr": 0.01}], **HYPER, foreach=True)
     step_side_by_side(compiled, eager, model, eager_model)
-    assert registry.REPORT.replacements["adamw"] == 2
+    assert registry.current().replacements["adamw"] == 2
     assert sum(n.target is FUSED for g in graphs for n in g.nodes) == 2
     assert_same_state(compiled, eager, model, eager_model)
 
@@ -308,6 +308,6 @@ def test_gpu_train_step_reference_model(graphs):
         inputs, targets = (torch.randint(0, cfg.vocab, (cfg.batch, cfg.seq), device="cuda") for _ in range(2))
         torch.testing.assert_close(compiled(inputs, targets), eager(inputs, targets), rtol=2e-2, atol=2e-2)
     # compile_step traces the step counter as a symbol from the start: one optimizer graph.
-    assert registry.REPORT.replacements["adamw"] == 1
+    assert registry.current().replacements["adamw"] == 1
     for p, q in zip(model.parameters(), eager_model.parameters()):
         torch.testing.assert_close(p, q, **EAGER_TOL[torch.bfloat16])

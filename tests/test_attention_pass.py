@@ -16,7 +16,7 @@ import passes.attention  # noqa: F401  (registers the pass)
 from compile_stack.backend import PassBackend
 from compile_stack.workloads.config import PRESETS
 from compile_stack.workloads.reference import build_model, causal_attention, cross_entropy
-from passes.registry import REPORT, register_pass
+from passes.registry import current, register_pass
 from tests.helpers import HAS_CUDA, eager_and_compiled, rel_err
 
 S, HEADS, HEAD_DIM = 40, 2, 16
@@ -235,7 +235,7 @@ def _input(dtype, b=2):
 def test_rewritten_training(attn, dtype):
     model = Model(attn).to(dtype)
     eager, compiled = _run(model, _input(dtype))
-    assert REPORT.replacements["attention"] == 2
+    assert current().replacements["attention"] == 2
     assert len(GRAPHS) == 2  # forward and backward
     fwd_ops, bwd_ops = _ops(GRAPHS[:1]), _ops(GRAPHS[1:])
     assert torch.ops.cstack.flash_attention_fwd.default in fwd_ops
@@ -249,7 +249,7 @@ def test_rewritten_training(attn, dtype):
 def test_rewritten_inference(attn):
     model = Model(attn)
     eager, compiled = _run(model, _input(torch.float32), grad=False)
-    assert REPORT.replacements["attention"] == 2
+    assert current().replacements["attention"] == 2
     assert torch.ops.cstack.flash_attention_fwd.default in _ops(GRAPHS)
     assert _square_tensors(GRAPHS) == []
     _close(eager, compiled, 1e-4)
@@ -262,7 +262,7 @@ def test_only_q_needs_grad():
 
     model = Model(attn)
     eager, compiled = _run(model, _input(torch.float32))
-    assert REPORT.replacements["attention"] == 2
+    assert current().replacements["attention"] == 2
     assert torch.ops.cstack.flash_attention_bwd.default in _ops(GRAPHS)
     assert _square_tensors(GRAPHS) == []
     _close(eager, compiled, 1e-4)
@@ -309,9 +309,9 @@ def test_op_inputs_dense(batch, monkeypatch):
 def test_left_alone(attn, why):
     model = Model(attn, layers=1)
     eager, compiled = _run(model, _input(torch.float32))
-    assert REPORT.replacements["attention"] == 0
+    assert current().replacements["attention"] == 0
     assert torch.ops.cstack.flash_attention_fwd.default not in _ops(GRAPHS)
-    assert any(n.startswith("attention:") and why in n for n in REPORT.notes), REPORT.notes
+    assert any(n.startswith("attention:") and why in n for n in current().notes), current().notes
     _close(eager, compiled, 1e-4)
 
 
@@ -320,8 +320,8 @@ def test_mask_tensor_input_left_alone():
     mask = torch.rand(S, S) > 0.3
     mask.fill_diagonal_(True)
     eager, compiled = _run(model, _input(torch.float32), mask)
-    assert REPORT.replacements["attention"] == 0
-    assert any("graph input" in n for n in REPORT.notes), REPORT.notes
+    assert current().replacements["attention"] == 0
+    assert any("graph input" in n for n in current().notes), current().notes
     _close(eager, compiled, 1e-4)
 
 
@@ -329,9 +329,9 @@ def test_dropout_left_alone():
     """Dropout draws differ between eager and compiled runs, so only the outcome is compared."""
     model = Model(dropout_after_softmax, layers=1)
     _, compiled = _run(model, _input(torch.float32))
-    assert REPORT.replacements["attention"] == 0
+    assert current().replacements["attention"] == 0
     assert torch.ops.cstack.flash_attention_fwd.default not in _ops(GRAPHS)
-    assert any("dropout?" in n for n in REPORT.notes), REPORT.notes
+    assert any("dropout?" in n for n in current().notes), current().notes
     assert torch.isfinite(compiled[0])
 
 
@@ -350,7 +350,7 @@ def test_reference_model_tiny():
             return cross_entropy(self.model(ids), targets)
 
     eager, compiled = _run(WithLoss(), ids, targets)
-    assert REPORT.replacements["attention"] == cfg.layers
+    assert current().replacements["attention"] == cfg.layers
     assert torch.ops.cstack.flash_attention_bwd.default in _ops(GRAPHS)
     assert _square_tensors(GRAPHS, cfg.seq) == []
     # bf16 softmax by hand in eager vs fp32 inside the op.
@@ -360,7 +360,7 @@ def test_reference_model_tiny():
 def test_real_inductor_smallest():
     model = Model(causal_attention, layers=1)
     eager, compiled = _run(model, _input(torch.float32, b=1), codegen=True)
-    assert REPORT.replacements["attention"] == 1
+    assert current().replacements["attention"] == 1
     _close(eager, compiled, 1e-4)
 
 
@@ -371,12 +371,12 @@ def test_gpu_reference_attention_bf16():
     q, k, v = (torch.randn(2, 8, 1024, 128, device="cuda", dtype=torch.bfloat16, requires_grad=True)
                for _ in range(3))
     torch._dynamo.reset()
-    REPORT.clear()
+    current().clear()
     backend = PassBackend(passes=["attention"])
     with backend.active():
         out = torch.compile(causal_attention, backend=backend)(q, k, v)
         grads = torch.autograd.grad(out.float().square().sum(), (q, k, v))
-    assert REPORT.replacements["attention"] == 1
+    assert current().replacements["attention"] == 1
     ref = [t.detach().double().requires_grad_() for t in (q, k, v)]
     expected = F.scaled_dot_product_attention(*ref, is_causal=True)
     expected_grads = torch.autograd.grad(expected.square().sum(), ref)
@@ -497,7 +497,7 @@ def test_split_heads_read_and_merged_in_place(attn, merge, batch, monkeypatch):
     assert seen == [[False, False, True], [True, False, False, True, True, False]]  # (q, k, v), (dO, q, k, v, out, lse)
     _close(eager, compiled, 1e-4)
     _run(model, x)
-    assert REPORT.replacements["attention"] == 1
+    assert current().replacements["attention"] == 1
     fwd_graph, bwd_graph = GRAPHS
     (fwd,) = [n for n in fwd_graph.nodes if n.target is torch.ops.cstack.flash_attention_fwd.default]
     (bwd,) = [n for n in bwd_graph.nodes if n.target is torch.ops.cstack.flash_attention_bwd.default]
@@ -514,5 +514,5 @@ def test_merge_after_other_ops_keeps_a_copy():
     (which the op's users were traced with), and the result is still right."""
     model = SplitHeads(causal_attention, merge_after_scaling)
     eager, compiled = _run(model, _input(torch.float32))
-    assert REPORT.replacements["attention"] == 1
+    assert current().replacements["attention"] == 1
     _close(eager, compiled, 1e-4)

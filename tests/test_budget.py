@@ -47,7 +47,7 @@ def compiled_grads(model, x, book: MemoryLedger):
 @pytest.fixture
 def case():
     torch._dynamo.reset()
-    registry.REPORT.clear()
+    registry.current().clear()
     model = nn.Sequential(Mlp(), Mlp())
     x = torch.randn(4, 33, 16, requires_grad=True)
     model(x).square().sum().backward()
@@ -58,7 +58,7 @@ def case():
 def plan_at(capacity: float, case):
     model, x, expected = case
     torch._dynamo.reset()
-    registry.REPORT.clear()
+    registry.current().clear()
     book = ledger(capacity)
     grads = compiled_grads(model, x, book)
     for got, want in zip(grads, expected):
@@ -70,7 +70,7 @@ def plan_at(capacity: float, case):
 def test_ample_memory_keeps_the_budget_one_plan(case):
     saved, book = plan_at(1e15, case)
     assert saved > 0 and book.working == saved
-    assert any("activation memory budget 1" in n for n in registry.REPORT.notes)
+    assert any("activation memory budget 1" in n for n in registry.current().notes)
 
 
 def test_less_memory_searches_down_to_a_plan_that_fits(case):
@@ -78,7 +78,7 @@ def test_less_memory_searches_down_to_a_plan_that_fits(case):
     capacity = SCRATCH_BYTES + full + 0.6 * full  # room for one working set and 60% of the full plan
     saved, book = plan_at(capacity, case)
     assert saved <= 0.6 * full
-    note = next(n for n in registry.REPORT.notes if n.startswith("memory:"))
+    note = next(n for n in registry.current().notes if n.startswith("memory:"))
     budget = float(note.rsplit(" ", 1)[1])
     assert 0 < budget < 1
 
@@ -87,7 +87,7 @@ def test_too_little_memory_keeps_the_least_plan_and_warns(case):
     full, _ = plan_at(1e15, case)
     with pytest.warns(UserWarning, match="may run out of memory"):
         plan_at(SCRATCH_BYTES + full + 1, case)
-    assert any("even at the least budget" in n for n in registry.REPORT.notes)
+    assert any("even at the least budget" in n for n in registry.current().notes)
 
 
 def test_other_graphs_reservations_and_state_to_come_are_subtracted():

@@ -2,6 +2,7 @@
 import copy
 import importlib.util
 import json
+import os
 import sys
 import types
 
@@ -28,7 +29,7 @@ def gpt(layers: int, d_model: int = 32, heads: int = 2):
 
 def compiled_gpt_step(layers: int, **options):
     torch._dynamo.reset()
-    registry.REPORT.clear()
+    registry.current().clear()
     torch.manual_seed(0)
     model = gpt(layers)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
@@ -46,8 +47,8 @@ def test_repeated_blocks_compile_once_whatever_the_depth():
         assert len(calls.blocks) == layers
         counts[layers] = (step.backend.graphs, calls.backend.graphs)
         # Every layer's attention runs our op: the shared block graph counts once per layer.
-        assert registry.REPORT.replacements["attention"] == layers
-        assert registry.REPORT.replacements["cross_entropy"] == 1
+        assert registry.current().replacements["attention"] == layers
+        assert registry.current().replacements["cross_entropy"] == 1
     # The embedding and the head with the loss; one block graph every layer calls.
     assert counts[2] == counts[8] == (2, 1)
 
@@ -68,14 +69,14 @@ def test_a_second_models_blocks_compile_with_static_shapes(monkeypatch):
     monkeypatch.setattr(PassBackend, "_compile", recording)
     torch._dynamo.reset()
     for d_model, seq in ((32, 16), (64, 8)):  # a sequence length the weights do not pin down
-        registry.REPORT.clear()
+        registry.current().clear()
         torch.manual_seed(0)
         model = gpt(2, d_model=d_model)
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
         step = compile_stack.compile_step(make_train_step(model, mean_cross_entropy, optimizer), codegen=False)
         for inputs, targets in batches(2, seq=seq):
             step(inputs, targets)
-        assert registry.REPORT.replacements["attention"] == 2
+        assert registry.current().replacements["attention"] == 2
     assert symbolic == [False, False]
 
 
@@ -85,7 +86,7 @@ def test_blocks_of_a_model_passed_as_an_argument_are_cut_from_the_graph():
     counts = {}
     for layers in (2, 5):
         torch._dynamo.reset()
-        registry.REPORT.clear()
+        registry.current().clear()
         torch.manual_seed(0)
         model = gpt(layers)
         optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
@@ -100,14 +101,14 @@ def test_blocks_of_a_model_passed_as_an_argument_are_cut_from_the_graph():
         step(model, inputs, targets)
         assert step.block_calls == []
         counts[layers] = step.backend.graphs
-        assert registry.REPORT.replacements["attention"] == layers
-        assert registry.REPORT.replacements["cross_entropy"] == 1
+        assert registry.current().replacements["attention"] == layers
+        assert registry.current().replacements["cross_entropy"] == 1
     assert counts[2] == counts[5] == 3  # the embedding, the shared block segment, head + loss
 
 
 def test_blocks_off_compiles_the_forward_as_one_graph():
     step, _ = compiled_gpt_step(3, blocks=False)
-    assert step.backend.graphs == 1 and registry.REPORT.replacements["attention"] == 3
+    assert step.backend.graphs == 1 and registry.current().replacements["attention"] == 3
 
 
 def test_a_model_without_repeated_blocks_is_compiled_whole():
@@ -130,7 +131,7 @@ def test_the_optimizers_step_is_routed_only_during_the_call():
     step, optimizer = compiled_gpt_step(2)
     assert "step" not in vars(optimizer)  # the class's own step again
     assert step.optimizer_steps[0].optimizer is optimizer
-    assert registry.REPORT.replacements["adamw"] == 1  # compiled once, fused
+    assert registry.current().replacements["adamw"] == 1  # compiled once, fused
 
 
 def test_a_models_zero_grad_runs_before_the_forward_graph():
@@ -138,7 +139,7 @@ def test_a_models_zero_grad_runs_before_the_forward_graph():
     set the grads to None only after the forward graph ran, the last step's gradients alive
     through it. After the call the model's zero_grad is the class's again."""
     torch._dynamo.reset()
-    registry.REPORT.clear()
+    registry.current().clear()
     counters.clear()
     torch.manual_seed(0)
     model = gpt(2)
@@ -161,13 +162,13 @@ def test_a_models_zero_grad_runs_before_the_forward_graph():
     assert any("Module.zero_grad" in reason and "torch.compiler.disable" in reason
                for reason in counters["graph_break"]), dict(counters["graph_break"])
     assert "zero_grad" not in vars(model)
-    assert registry.REPORT.replacements["cross_entropy"] == 1
+    assert registry.current().replacements["cross_entropy"] == 1
 
 
 def test_backend_works_without_a_context_manager():
     """The lazily run backward uses our passes without the caller entering anything."""
     torch._dynamo.reset()
-    registry.REPORT.clear()
+    registry.current().clear()
     torch.manual_seed(0)
     model = gpt(2)
     eager_model = gpt(2)
@@ -184,7 +185,7 @@ def test_backend_works_without_a_context_manager():
     torch.testing.assert_close(loss, eager_loss)
     for p, q in zip(model.parameters(), eager_model.parameters()):
         torch.testing.assert_close(p.grad, q.grad, rtol=1e-4, atol=1e-6)
-    assert registry.REPORT.replacements["attention"] == 2 and registry.REPORT.replacements["cross_entropy"] == 1
+    assert registry.current().replacements["attention"] == 2 and registry.current().replacements["cross_entropy"] == 1
 
 
 def test_compile_step_refuses_bad_arguments():
@@ -280,7 +281,7 @@ def test_freeing_the_compiled_step_frees_the_model():
 def test_a_trainers_bound_method_finds_its_model_and_optimizer():
     """The step as a method of the user's trainer: its model and optimizer are attributes."""
     torch._dynamo.reset()
-    registry.REPORT.clear()
+    registry.current().clear()
 
     class Trainer:
         def __init__(self):
@@ -300,7 +301,7 @@ def test_a_trainers_bound_method_finds_its_model_and_optimizer():
         step(inputs, targets)
     assert [s.optimizer for s in step.optimizer_steps] == [trainer.optimizer]
     assert [c.blocks for c in step.block_calls] == [list(trainer.model.layers)]
-    assert registry.REPORT.replacements["attention"] == 2 and registry.REPORT.replacements["adamw"] == 1
+    assert registry.current().replacements["attention"] == 2 and registry.current().replacements["adamw"] == 1
 
 
 def test_repeated_blocks_without_parameters():
@@ -333,14 +334,14 @@ def test_an_out_of_range_target_raises_at_the_next_call():
     """The fused loss only flags a bad target (a device flag: reading it would sync every step);
     the compiled step reads the flag at its next call and raises the loss's error, once."""
     torch._dynamo.reset()
-    registry.REPORT.clear()
+    registry.current().clear()
     torch.manual_seed(0)
     model = gpt(2)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)  # unfused: no update checks the flag itself
     step = compile_stack.compile_step(make_train_step(model, mean_cross_entropy, optimizer), codegen=False)
     (inputs, targets), = batches(1)
     step(inputs, targets)
-    assert registry.REPORT.replacements["cross_entropy"] == 1
+    assert registry.current().replacements["cross_entropy"] == 1
     bad = targets.clone()
     bad[0, 3] = VOCAB
     assert torch.isnan(step(inputs, bad))
@@ -357,7 +358,7 @@ def users_script(monkeypatch, tmp_path):
     through a wrapper frame of its own. With fresh Dynamo state and an empty pass report."""
     def run(source: str) -> types.ModuleType:
         torch._dynamo.reset()
-        registry.REPORT.clear()
+        registry.current().clear()
         path = tmp_path / "users_script.py"
         path.write_text(source)
         script = importlib.util.module_from_spec(importlib.util.spec_from_file_location(path.stem, path))
@@ -411,8 +412,8 @@ def test_a_step_written_at_module_level_is_compiled_whole(loss, users_script):
         script = users_script(SCRIPT_STEP.format(loss_definition=LOSS_DEFINITIONS[loss]))
         step = compile_stack.compile_step(script.train_step, codegen=False) if compiled else script.train_step
         losses.append([step().detach() for _ in range(2)])
-    assert registry.REPORT.replacements["cross_entropy"] == 1
-    assert registry.REPORT.replacements["attention"] == 2 and registry.REPORT.replacements["adamw"] == 1
+    assert registry.current().replacements["cross_entropy"] == 1
+    assert registry.current().replacements["attention"] == 2 and registry.current().replacements["adamw"] == 1
     for eager, compiled in zip(*losses):
         torch.testing.assert_close(compiled, eager, rtol=1e-4, atol=1e-5)
 
@@ -435,7 +436,7 @@ def test_a_step_dynamo_runs_eagerly_says_so():
         return train_step
 
     torch._dynamo.reset()
-    registry.REPORT.clear()
+    registry.current().clear()
     steps = []
     for compiled in (False, True):
         torch.manual_seed(0)
@@ -445,10 +446,10 @@ def test_a_step_dynamo_runs_eagerly_says_so():
     for _ in range(2):
         eager, compiled = (step().detach() for step in steps)
         torch.testing.assert_close(compiled, eager, rtol=1e-4, atol=1e-5)
-    assert registry.REPORT.replacements["attention"] == 2 and registry.REPORT.replacements["cross_entropy"] == 0
-    assert any(n.startswith("step: Dynamo ran the step's own code eagerly") for n in registry.REPORT.notes)
+    assert registry.current().replacements["attention"] == 2 and registry.current().replacements["cross_entropy"] == 0
+    assert any(n.startswith("step: Dynamo ran the step's own code eagerly") for n in registry.current().notes)
     compiled_gpt_step(2)
-    assert not any(n.startswith("step:") for n in registry.REPORT.notes)
+    assert not any(n.startswith("step:") for n in registry.current().notes)
 
 
 FUNCTIONAL_ADAMW_SCRIPT = '''
@@ -494,6 +495,56 @@ def test_a_global_step_counter_is_traced_as_a_symbol(users_script):
         step = compile_stack.compile_step(script.train_step, codegen=False) if compiled else script.train_step
         losses.append([step().detach() for _ in range(4)])
         assert script.t == 4
-    assert registry.REPORT.replacements["adamw"] == 1 and registry.REPORT.replacements["cross_entropy"] == 1
+    assert registry.current().replacements["adamw"] == 1 and registry.current().replacements["cross_entropy"] == 1
     for eager, compiled in zip(*losses):
         torch.testing.assert_close(compiled, eager, rtol=1e-4, atol=1e-5)
+
+
+def test_two_steps_in_one_process_keep_their_own_reports_and_plans():
+    """A train step and an eval-style step (no optimizer, a loss the pass leaves alone) of two
+    models: each step's report holds its own graphs' replacements and notes only, each its own
+    memory plan, and ``pass_report()`` without a step is the step called last."""
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    train_model, eval_model = gpt(2), gpt(3)
+    optimizer = torch.optim.AdamW(train_model.parameters(), lr=1e-3)
+    train = compile_stack.compile_step(make_train_step(train_model, mean_cross_entropy, optimizer), codegen=False)
+
+    def evaluate(inputs, targets):
+        with torch.no_grad():
+            return eval_model(inputs).float().square().mean()
+
+    score = compile_stack.compile_step(evaluate, codegen=False)
+    (inputs, targets), = batches(1)
+    train(inputs, targets)
+    score(inputs, targets)
+    trained, scored = compile_stack.pass_report(train), compile_stack.pass_report(score)
+    assert trained["replacements"]["attention"] == 2 and trained["replacements"]["cross_entropy"] == 1
+    assert trained["replacements"]["adamw"] >= 1
+    assert scored["replacements"]["attention"] == 3 and scored["replacements"]["cross_entropy"] == 0
+    assert not scored["replacements"].get("adamw")
+    assert compile_stack.pass_report() == scored
+    train(inputs, targets)  # a second call compiles nothing: its report is unchanged, and now the latest
+    assert compile_stack.pass_report() == compile_stack.pass_report(train) == trained
+    assert train.report is not score.report and train.memory_plan is not score.memory_plan
+    with pytest.raises(TypeError, match="^step: expected a CompiledStep"):
+        compile_stack.pass_report("train")
+
+
+def test_a_steps_cache_dir_is_used_while_it_runs_and_the_environment_kept(tmp_path, monkeypatch):
+    variables = ("COMPILE_STACK_CACHE", "TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR")
+    for name in variables:
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "users_own"))
+    before = {name: os.environ.get(name) for name in variables}
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model = gpt(1)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    step = compile_stack.compile_step(make_train_step(model, mean_cross_entropy, optimizer),
+                                      cache_dir=tmp_path / "ours")
+    assert {name: os.environ.get(name) for name in variables} == before  # nothing set by compile_step
+    (inputs, targets), = batches(1)
+    step(inputs, targets)
+    assert {name: os.environ.get(name) for name in variables} == before
+    assert any((tmp_path / "ours" / "inductor").iterdir()), "the step's compiles were cached in its cache_dir"

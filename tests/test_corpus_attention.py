@@ -519,14 +519,14 @@ def compiled_counts(make_model, dtype=torch.float32, steps=1) -> dict:
     """Compile and run the train step (no comparison with eager); the pass report's counts and notes.
     For what eager cannot match bitwise or closely (dropout's random draws, bf16)."""
     torch._dynamo.reset()
-    registry.REPORT.clear()
+    registry.current().clear()
     torch.manual_seed(0)
     model = make_model().to(dtype)
     step = compile_stack.compile_step(make_train_step(model, mean_cross_entropy, sgd(model.parameters())),
                                       codegen=False)
     for inputs, targets in batches(steps):
         assert torch.isfinite(step(inputs, targets))
-    return dict(registry.REPORT.replacements), list(registry.REPORT.notes)
+    return dict(registry.current().replacements), list(registry.current().notes)
 
 
 class FunctionalDropout(QKV):

@@ -231,11 +231,11 @@ def test_symbolic_sequence_length():
     eager = make_train_step(theirs, ce_shifted, eager_opt)
     counts = []
     for seq in (SEQ, SEQ + 5, SEQ + 9):
-        registry.REPORT.clear()
+        registry.current().clear()
         (inputs, targets), = batches(1, seq=seq)
         torch.testing.assert_close(compiled(inputs, targets), eager(inputs, targets), rtol=1e-4, atol=1e-5)
-        counts.append(int(registry.REPORT.replacements.get("cross_entropy", 0)))
-    assert counts[:2] == [1, 1], (counts, registry.REPORT.notes)  # the third call reuses the symbolic graph
+        counts.append(int(registry.current().replacements.get("cross_entropy", 0)))
+    assert counts[:2] == [1, 1], (counts, registry.current().notes)  # the third call reuses the symbolic graph
     for p, q in zip(ours.parameters(), theirs.parameters()):
         torch.testing.assert_close(p.grad, q.grad, rtol=1e-4, atol=1e-5)
 
@@ -243,12 +243,12 @@ def test_symbolic_sequence_length():
 @pytest.mark.parametrize("head, loss_fn", [("matmul", ce_flat_mean), ("linear", masked_mean)])
 def test_bf16_count(head, loss_fn):
     torch._dynamo.reset()
-    registry.REPORT.clear()
+    registry.current().clear()
     m = LM(head=head).to(torch.bfloat16)
     step = make_train_step(m, loss_fn, adamw(m.parameters()))
     (inputs, targets), = batches(1)
     compile_stack.compile_step(step, codegen=False)(inputs, targets)
-    assert registry.REPORT.replacements.get("cross_entropy", 0) == 1, registry.REPORT.notes
+    assert registry.current().replacements.get("cross_entropy", 0) == 1, registry.current().notes
 
 
 def test_logits_kept_past_backward_are_left_alone_and_said_so():
@@ -268,7 +268,7 @@ def test_logits_kept_past_backward_are_left_alone_and_said_so():
         return train_step
 
     torch._dynamo.reset()
-    registry.REPORT.clear()
+    registry.current().clear()
     torch.manual_seed(0)
     ours, theirs = LM(), LM()
     theirs.load_state_dict(ours.state_dict())
@@ -277,5 +277,5 @@ def test_logits_kept_past_backward_are_left_alone_and_said_so():
     for inputs, targets in batches(2):
         for got, expected in zip(compiled(inputs, targets), eager(inputs, targets)):
             torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-5)
-    assert registry.REPORT.replacements["cross_entropy"] == 0
-    assert any("the logits leave the graph too" in n for n in registry.REPORT.notes), registry.REPORT.notes
+    assert registry.current().replacements["cross_entropy"] == 0
+    assert any("the logits leave the graph too" in n for n in registry.current().notes), registry.current().notes

@@ -103,7 +103,7 @@ def test_torch_adamw_with_clipping():
     """Fused, and the clip's scaling of every gradient by their global norm (each reads all of
     them) is no update the pass notes."""
     run_case(model, clip=1.0, expect={"adamw": 1})
-    assert not any(n.startswith("adamw:") for n in registry.REPORT.notes), registry.REPORT.notes
+    assert not any(n.startswith("adamw:") for n in registry.current().notes), registry.current().notes
 
 
 # ---- not AdamW: left alone ---------------------------------------------------------------------

@@ -14,7 +14,7 @@ import passes.cross_entropy  # noqa: F401  (registers the pass)
 from compile_stack.backend import PassBackend
 from compile_stack.workloads.config import PRESETS
 from compile_stack.workloads.reference import build_model, cross_entropy
-from passes.registry import REPORT, register_pass
+from passes.registry import current, register_pass
 from tests.helpers import HAS_CUDA, rel_err
 
 FWD_OP = torch.ops.cstack.linear_cross_entropy_fwd.default
@@ -117,7 +117,7 @@ def _run(model, loss_fn, ids, targets, backend=None):
 
 def _compile_and_compare(model, loss_fn, ids, targets, dtype, passes=("cross_entropy",)):
     eager_loss, eager_grads = _run(model, loss_fn, ids, targets)
-    REPORT.clear()
+    current().clear()
     _partitioned.clear()
     backend = PassBackend(passes=[*passes, "_test_record_partitions"], codegen=False)
     loss, grads = _run(model, loss_fn, ids, targets, backend)
@@ -155,7 +155,7 @@ def test_idiom_replaced(head, loss_fn, dtype):
     model = TinyLM(vocab, d, head).to(dtype)
     ids, targets = _inputs(vocab, batch, seq)
     graphs = _compile_and_compare(model, loss_fn, ids, targets, dtype)
-    assert REPORT.replacements["cross_entropy"] == 1
+    assert current().replacements["cross_entropy"] == 1
     assert len(graphs) == 2 and _has_fwd_op(graphs[0]) and not _has_fwd_op(graphs[1])
     # Nothing in forward or backward is as large as the logits; the biggest is a [V, d] weight (gradient).
     assert _largest_tensor(graphs) == vocab * d
@@ -167,10 +167,10 @@ def test_non_matching_left_alone_with_note(loss_fn):
     model = TinyLM(vocab, d, "matmul")
     ids, targets = _inputs(vocab, 2, 24)
     graphs = _compile_and_compare(model, loss_fn, ids, targets, torch.float32)
-    assert REPORT.replacements["cross_entropy"] == 0
+    assert current().replacements["cross_entropy"] == 0
     assert not any(_has_fwd_op(g) for g in graphs)
     assert _largest_tensor(graphs) >= 2 * 24 * vocab
-    assert any(n.startswith("cross_entropy: left") for n in REPORT.notes), REPORT.notes
+    assert any(n.startswith("cross_entropy: left") for n in current().notes), current().notes
 
 
 def test_a_loss_over_logits_from_another_graph_is_left_alone_with_a_note():
@@ -178,7 +178,7 @@ def test_a_loss_over_logits_from_another_graph_is_left_alone_with_a_note():
     break the graph at the model's call): nothing to fuse with, and the report says why."""
     logits = torch.randn(2, 24, 97, requires_grad=True)
     targets = torch.randint(0, 97, (2, 24))
-    REPORT.clear()
+    current().clear()
     torch._dynamo.reset()
     loss = torch.compile(library_mean, backend=PassBackend(passes=["cross_entropy"], codegen=False),
                          fullgraph=True)(logits, targets)
@@ -186,9 +186,9 @@ def test_a_loss_over_logits_from_another_graph_is_left_alone_with_a_note():
     expected = logits.detach().clone().requires_grad_()
     library_mean(expected, targets).backward()
     torch.testing.assert_close(logits.grad, expected.grad)
-    assert REPORT.replacements["cross_entropy"] == 0
+    assert current().replacements["cross_entropy"] == 0
     assert any(n.startswith("cross_entropy: left the cross-entropy over") and "another graph" in n
-               for n in REPORT.notes), REPORT.notes
+               for n in current().notes), current().notes
 
 
 def test_frozen_hidden_only_weight_gradient():
@@ -207,7 +207,7 @@ def test_frozen_hidden_only_weight_gradient():
             return hidden @ self.weight.T
 
     graphs = _compile_and_compare(Head(), reference_loss, None, targets, torch.float32)
-    assert REPORT.replacements["cross_entropy"] == 1
+    assert current().replacements["cross_entropy"] == 1
     assert _largest_tensor(graphs) < 2 * 20 * vocab
 
 
@@ -217,8 +217,8 @@ def test_reference_model_tiny():
     model = build_model(cfg, "cpu")
     ids, targets = (torch.randint(0, cfg.vocab, (cfg.batch, cfg.seq)) for _ in range(2))
     graphs = _compile_and_compare(model, reference_loss, ids, targets, torch.bfloat16)
-    assert REPORT.replacements["cross_entropy"] == 1
-    assert not [n for n in REPORT.notes if n.startswith("cross_entropy")]  # attention's softmax is no LM head
+    assert current().replacements["cross_entropy"] == 1
+    assert not [n for n in current().notes if n.startswith("cross_entropy")]  # attention's softmax is no LM head
     shapes = {tuple(v.shape) for graph in graphs for _, v in graph if isinstance(v, torch.Tensor)}
     T, V = cfg.tokens, cfg.vocab
     assert not {s for s in shapes if T * V <= torch.Size(s).numel()}
@@ -237,11 +237,11 @@ def test_real_inductor():
     model = TinyLM(vocab, d, "matmul")
     ids, targets = _inputs(vocab, 2, 9)
     eager_loss, eager_grads = _run(model, reference_loss, ids, targets)
-    REPORT.clear()
+    current().clear()
     backend = PassBackend(passes=["cross_entropy"], codegen=True)
     with backend.active():
         loss, grads = _run(model, reference_loss, ids, targets, backend)
-    assert REPORT.replacements["cross_entropy"] == 1
+    assert current().replacements["cross_entropy"] == 1
     assert rel_err(loss, eager_loss) < 1e-5
     for g, e in zip(grads, eager_grads):
         assert rel_err(g, e) < 1e-4
@@ -260,7 +260,7 @@ def test_gpu_bf16_memory_and_accuracy():
     ids, targets = (torch.randint(0, vocab, (batch, seq), device="cuda") for _ in range(2))
     ref_loss, ref_grads = _run(model32, reference_loss, ids, targets)
 
-    REPORT.clear()
+    current().clear()
     backend = PassBackend(passes=["cross_entropy"], codegen=True)
     step = torch.compile(lambda i, t: reference_loss(model(i), t), backend=backend, fullgraph=True)
     with backend.active(), chunk_tokens(1024):
@@ -272,7 +272,7 @@ def test_gpu_bf16_memory_and_accuracy():
             loss = step(ids, targets)
             loss.backward()
             torch.cuda.synchronize()
-    assert REPORT.replacements["cross_entropy"] == 1
+    assert current().replacements["cross_entropy"] == 1
     logits_bytes = batch * seq * vocab * 2
     assert torch.cuda.max_memory_allocated() - base < logits_bytes / 2
     assert rel_err(loss, ref_loss) < 1e-2

@@ -63,7 +63,7 @@ def _user_run(cfg, device, shard=None) -> dict:
     from passes import registry
 
     torch._dynamo.reset()
-    registry.REPORT.clear()
+    registry.current().clear()
     torch.manual_seed(0)
     model = user_models.build_gpt(vocab_size=cfg.vocab, context_length=cfg.seq, d_model=cfg.d_model,
                                   num_layers=cfg.layers, num_heads=cfg.heads, d_ff=cfg.d_ff).to(device)
@@ -77,7 +77,7 @@ def _user_run(cfg, device, shard=None) -> dict:
     else:  # each rank's mean over its share; their mean is the batch's
         losses = [D.mean_over_ranks(step(shard(x), shard(y))).item() for x, y in _batches(cfg, device)]
     return {"init": init, "losses": losses, "params": _to_cpu(D.full_params(model)),
-            "passes": dict(registry.REPORT.replacements), "notes": list(registry.REPORT.notes)}
+            "passes": dict(registry.current().replacements), "notes": list(registry.current().notes)}
 
 
 def _to_cpu(params):
@@ -117,7 +117,7 @@ def _worker(rank, port, out_dir, cfg, cases, codegen):
         if device.type == "cuda":
             out["dist"][name]["overlap"] = profile_overlap(
                 lambda: step(*(D.shard_batch(t, rank, world) for t in _batches(cfg, device)[0])))
-    out["passes"] = dict(registry.REPORT.replacements)
+    out["passes"] = dict(registry.current().replacements)
     if device.type == "cpu":
         out["dist"][STOCK] = _stock_run(cfg, device, shard=lambda t: D.shard_batch(t, rank, world))
         if USER_ON_CPU:

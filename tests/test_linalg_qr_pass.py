@@ -28,7 +28,7 @@ def table(shape, device, op):
 @pytest.fixture
 def fresh(monkeypatch):
     torch._dynamo.reset()
-    registry.REPORT.clear()
+    registry.current().clear()
     monkeypatch.setattr(batched_qr, "prefer_ours", table)
     yield
     torch._dynamo.reset()
@@ -100,7 +100,7 @@ def test_cuda_fp32_qr_becomes_ours(monkeypatch, fresh, case):
         else cstack.batched_geqrf.default
     assert expected in targets
     assert outputs(graph) == before  # the graph's results keep their shapes
-    assert not registry.REPORT.notes
+    assert not registry.current().notes
 
 
 @pytest.mark.parametrize("fn, dtype, shape, note", [
@@ -113,20 +113,20 @@ def test_cuda_qr_left_alone_with_a_note(monkeypatch, fresh, fn, dtype, shape, no
     graph = on_cuda(joint_graph(monkeypatch, fn, torch.randn(shape, dtype=dtype)))
     assert passes.linalg_qr.use_batched_qr(graph) == 0
     assert {n.target for n in graph.nodes} & TORCH
-    assert any(n.startswith("linalg_qr: left") and note in n for n in registry.REPORT.notes), registry.REPORT.notes
+    assert any(n.startswith("linalg_qr: left") and note in n for n in registry.current().notes), registry.current().notes
 
 
 def test_dynamic_shape_left_alone_with_a_note(monkeypatch, fresh):
     graph = on_cuda(joint_graph(monkeypatch, lambda M: torch.linalg.qr(M), torch.randn(9, 5), dynamic=True))
     assert passes.linalg_qr.use_batched_qr(graph) == 0
-    assert any("dynamic shape" in n for n in registry.REPORT.notes), registry.REPORT.notes
+    assert any("dynamic shape" in n for n in registry.current().notes), registry.current().notes
 
 
 def test_cpu_qr_left_alone_quietly(monkeypatch, fresh):
     graph = joint_graph(monkeypatch, lambda M: torch.linalg.qr(M), torch.randn(9, 5))
     monkeypatch.setattr(batched_qr, "prefer_ours", lambda *a: True)  # even where ours were the faster
     assert passes.linalg_qr.use_batched_qr(graph) == 0
-    assert not registry.REPORT.notes
+    assert not registry.current().notes
 
 
 def eigenbasis_refresh(P, Q):
@@ -141,7 +141,7 @@ def test_soap_refresh_on_cpu_equals_eager(fresh):
     Q = torch.linalg.qr(torch.randn(3, 12, 12)).Q
     compiled = torch.compile(eigenbasis_refresh, backend=PassBackend(codegen=False))(P, Q)
     torch.testing.assert_close(compiled, eigenbasis_refresh(P, Q))
-    assert registry.REPORT.replacements["linalg_qr"] == 0 and not registry.REPORT.notes
+    assert registry.current().replacements["linalg_qr"] == 0 and not registry.current().notes
 
 
 def qr_loss(M, W):
@@ -167,7 +167,7 @@ def test_rewritten_graph_computes_eagers_values_and_gradients(monkeypatch, fresh
     inputs = [x.requires_grad_(grad) for x in inputs]
     compiled = torch.compile(fn, backend=PassBackend(["linalg_qr"], codegen=False))(*inputs)
     eager = fn(*eager_inputs)
-    assert registry.REPORT.replacements["linalg_qr"] == 1
+    assert registry.current().replacements["linalg_qr"] == 1
     torch.testing.assert_close(compiled, eager)
     if grad:
         compiled.backward()

@@ -41,7 +41,7 @@ def _partition_at(budget: float) -> tuple[dict, float]:
         graphs[len(graphs)] = {"saved_bytes": nbytes, "recomputed": recomputed}
         return fwd, bwd
 
-    torch._dynamo.reset()
+    torch.compiler.reset()
     torch.manual_seed(0)
     model = build_model(CFG, "cpu", torch.float32)
     ids = torch.randint(CFG.vocab, (CFG.batch, CFG.seq))
@@ -102,7 +102,7 @@ def test_measured_plans_match_the_partitioner_at_full_width(budget):
         saved.append(_activation_bytes(fwd, skip_outputs=1))  # after the block's own output
         raise _Partitioned
 
-    torch._dynamo.reset()
+    torch.compiler.reset()
     backend = PassBackend(memory_budget=budget, codegen=False)
     x = torch.zeros(1, cfg.seq, cfg.d_model, dtype=torch.bfloat16, requires_grad=True)
     with pytest.MonkeyPatch.context() as mp, backend.active(), pytest.raises(Exception, match="_Partitioned"):

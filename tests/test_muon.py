@@ -158,7 +158,7 @@ def test_compiled_muon_equals_eager_with_one_call_per_matrix():
     own passes change bf16 gradients by about 1%, which Newton–Schulz turns into some 10% of an update:
     they are tested on their own; here the gradients are eager's.)"""
     torch._dynamo.reset()
-    registry.REPORT.clear()
+    registry.current().clear()
     model = Transformer(CFG).to(torch.bfloat16)
     eager_model = copy.deepcopy(model)
     opt, eager_opt = Muon(model.parameters(), lr=0.3), Muon(eager_model.parameters(), lr=0.3)
@@ -179,9 +179,9 @@ def test_compiled_muon_equals_eager_with_one_call_per_matrix():
                 assert rel_err(p - p0, q - q0) < 0.15
     hidden = sum(is_hidden_matrix(p) for p in model.parameters())
     assert hidden == 7  # q, k, v, o, w1, w2, w3
-    assert registry.REPORT.replacements["newton_schulz"] == hidden
-    assert registry.REPORT.replacements["adamw"] == 1  # embedding, head, norms: one fused call
-    assert not [n for n in registry.REPORT.notes if n.startswith("newton_schulz")]
+    assert registry.current().replacements["newton_schulz"] == hidden
+    assert registry.current().replacements["adamw"] == 1  # embedding, head, norms: one fused call
+    assert not [n for n in registry.current().notes if n.startswith("newton_schulz")]
     for p, q in zip(model.parameters(), eager_model.parameters()):
         if not is_hidden_matrix(p):  # AdamW's steps (lr 1e-3) are about a bf16 ulp of these weights
             torch.testing.assert_close(p, q, rtol=2**-5, atol=2**-8)

@@ -91,7 +91,7 @@ def compile_ns(monkeypatch):
     """``compile_ns(fn, *inputs)``: (compiled result, eager result, joint graphs after the pass), with
     fresh Dynamo state and an empty report."""
     torch._dynamo.reset()
-    registry.REPORT.clear()
+    registry.current().clear()
     graphs = record_graphs(monkeypatch)
 
     def run(fn, *inputs):
@@ -139,14 +139,14 @@ def test_chain_becomes_one_call(compile_ns, fn, shape, steps):
     (call,) = calls(graphs)
     assert call.args[1:] == (steps, *MUON_COEFFICIENTS)
     assert not any(n.target in MATMULS for g in graphs for n in g.nodes)  # no iteration left
-    assert registry.REPORT.replacements["newton_schulz"] == 1 and not registry.REPORT.notes
+    assert registry.current().replacements["newton_schulz"] == 1 and not registry.current().notes
     assert_rewritten_close(compiled, eager, G, steps)
 
 
 def test_one_call_per_matrix(compile_ns):
     G, H = torch.randn(16, 24), torch.randn(30, 10)
     compiled, eager, graphs = compile_ns(two_matrices, G, H)
-    assert len(calls(graphs)) == 2 and registry.REPORT.replacements["newton_schulz"] == 2
+    assert len(calls(graphs)) == 2 and registry.current().replacements["newton_schulz"] == 2
     for x, y, M in zip(compiled, eager, (G, H)):
         assert_rewritten_close(x, y, M, 5)
 
@@ -192,9 +192,9 @@ def gram_read(G):
 ])
 def test_left_alone(compile_ns, fn, why):
     compiled, eager, graphs = compile_ns(fn, torch.randn(12, 20))
-    assert not calls(graphs) and registry.REPORT.replacements["newton_schulz"] == 0
+    assert not calls(graphs) and registry.current().replacements["newton_schulz"] == 0
     assert any(n.startswith("newton_schulz: left the Newton–Schulz chain of 5 iterations") and why in n
-               for n in registry.REPORT.notes), registry.REPORT.notes
+               for n in registry.current().notes), registry.current().notes
     torch.testing.assert_close(compiled, eager)
 
 
@@ -213,12 +213,12 @@ def test_coefficients_change_within_a_chain(compile_ns):
     (call,) = calls(graphs)
     assert call.args[1] == 3
     assert sum(n.target is torch.ops.aten.mm.default for g in graphs for n in g.nodes) == 2 * 3  # two left
-    assert any("chain of 2 iterations" in n and "not Muon's" in n for n in registry.REPORT.notes)
+    assert any("chain of 2 iterations" in n and "not Muon's" in n for n in registry.current().notes)
     assert rel_err(compiled, eager) < EAGER_TOLERANCE
 
 
 def test_a_gram_matrix_alone_is_no_chain(compile_ns):
     """Shampoo's preconditioner statistics: X Xᵀ and sums of it, no iteration."""
     compiled, eager, graphs = compile_ns(lambda G: 0.9 * G + 0.1 * (G @ G.mT) @ G, torch.randn(8, 8).bfloat16())
-    assert not calls(graphs) and not registry.REPORT.notes
+    assert not calls(graphs) and not registry.current().notes
     torch.testing.assert_close(compiled, eager)

@@ -60,7 +60,7 @@ def compile_at(case, capacity: float, host: int, codegen: bool = False) -> tuple
     ops its graphs hold."""
     model, x, expected, graphs = case
     torch._dynamo.reset()
-    registry.REPORT.clear()
+    registry.current().clear()
     graphs.clear()
     book = MemoryLedger(capacity, allocated=lambda: 0, future_state=lambda: 0, host_capacity=host, device=x.device)
     step = torch.compile(model, backend=PassBackend(passes=[], codegen=codegen, plan=MemoryPlan(book), uses=USES))
@@ -106,7 +106,7 @@ def test_a_plan_that_recomputes_moves_the_extra_values_to_the_host(case):
     else:
         assert ops.count("cstack::offload_to_host") == ops.count("cstack::reload_to_device") > 0
     assert 0 < on_host and on_gpu <= max(without.reserved.values())
-    note = next(n for n in registry.REPORT.notes if n.startswith("memory:"))
+    note = next(n for n in registry.current().notes if n.startswith("memory:"))
     assert "in host memory" in note
 
 

@@ -18,11 +18,11 @@ def compile_loss(model):
     """Compile the model's loss with our backend (Inductor code generation: its caches are what a
     warm start hits) and run it once forward and backward; returns the report's counts and notes."""
     torch._dynamo.reset()
-    registry.REPORT.clear()
+    registry.current().clear()
     (inputs, targets), = batches(1)
     loss = torch.compile(lambda x, y: mean_cross_entropy(model(x), y), backend=compile_stack.Backend(PASSES))
     loss(inputs, targets).backward()
-    return registry.REPORT.as_dict(PASSES), list(registry.REPORT.notes)
+    return registry.current().as_dict(PASSES), list(registry.current().notes)
 
 
 @pytest.fixture(scope="module")
@@ -42,7 +42,7 @@ def warm(tmp_path_factory):
 def test_a_warm_start_replays_counts_and_notes(warm):
     model, cold, _ = warm
     counts, notes = compile_loss(model)
-    assert registry.REPORT.runs["joint"] == 0  # Inductor's caches served the graphs: our passes did not run
+    assert registry.current().runs["joint"] == 0  # Inductor's caches served the graphs: our passes did not run
     assert (counts, notes) == cold
 
 
@@ -63,7 +63,7 @@ def test_without_a_valid_record_counts_are_unknown_and_nothing_is_written_back(w
                 r.write_text(json.dumps(data))
         damaged = {r: r.read_text() if r.exists() else None for r in records}
         counts, _ = compile_loss(model)
-        assert registry.REPORT.runs["joint"] == 0  # a warm start: the passes did not run
+        assert registry.current().runs["joint"] == 0  # a warm start: the passes did not run
         assert counts == {"attention": None, "cross_entropy": None}
         # Nothing written back: no zeros (or the edited sevens) become the record.
         assert {r: r.read_text() if r.exists() else None for r in records} == damaged

@@ -43,7 +43,7 @@ def train(monkeypatch, capacity: float, by_argument: bool = False, codegen: bool
     ledger, the block graph's partitions as (partitioner, forward, backward)). Checks the parameters
     against the same steps run eagerly."""
     torch._dynamo.reset()
-    registry.REPORT.clear()
+    registry.current().clear()
     model, reference = gpt(), gpt()
     book = MemoryLedger(capacity, allocated=lambda: 0, future_state=lambda: 0, device=torch.device("cpu"))
     monkeypatch.setattr(MemoryPlan, "for_step", classmethod(lambda cls, *args, **kwargs: cls(book)))
@@ -99,7 +99,7 @@ def short_of_room(sizes) -> float:
 
 
 def share_note() -> str | None:
-    return next((n for n in registry.REPORT.notes if "call sites take the plan" in n), None)
+    return next((n for n in registry.current().notes if "call sites take the plan" in n), None)
 
 
 def test_room_for_every_plan_shares_nothing(monkeypatch, sizes):

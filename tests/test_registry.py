@@ -14,7 +14,7 @@ from tests.helpers import dynamo_graph
 
 @pytest.fixture(autouse=True)
 def _clean_report():
-    registry.REPORT.clear()
+    registry.current().clear()
     yield
     torch._dynamo.reset()
 
@@ -74,7 +74,7 @@ def test_param_data_pass_rewrites_a_data_assignment_outside_no_grad_and_matches_
     compiled = torch.compile(swap, backend=PassBackend(["param_data"], codegen=False))
     torch.testing.assert_close(compiled(torch.ones(4)), torch.full((4,), 2.0))
     torch.testing.assert_close(w.detach(), expected)
-    assert registry.REPORT.replacements["param_data"] >= 1
+    assert registry.current().replacements["param_data"] >= 1
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -96,7 +96,7 @@ def test_compiled_reference_optimizer_matches_eager(dtype):
         torch.testing.assert_close(p, q, rtol=tol, atol=tol)
     for m, n in zip(opt.m + opt.v, opt_eager.m + opt_eager.v):
         torch.testing.assert_close(m, n, rtol=tol, atol=tol)
-    assert registry.REPORT.replacements["param_data"] == 2 * 2 * len(opt.params)
+    assert registry.current().replacements["param_data"] == 2 * 2 * len(opt.params)
 
 
 def test_default_pipeline_is_the_project_passes_only():
@@ -123,14 +123,14 @@ def _failing_pass(edit_first: bool):
 def test_a_pass_that_fails_before_editing_leaves_the_graph_and_notes_it(monkeypatch):
     """Never an exception where eager works: the step compiles as written, with a note."""
     monkeypatch.setitem(registry._PASSES, "probe_fail", registry.RegisteredPass("probe_fail", "joint", _failing_pass(False)))
-    registry.REPORT.clear()
+    registry.current().clear()
     torch._dynamo.reset()
     x = torch.randn(3, requires_grad=True)
     out = torch.compile(lambda t: (t.sin() * 2).sum(), backend=PassBackend(["probe_fail"], codegen=False))(x)
     out.backward()
     torch.testing.assert_close(x.grad, 2 * x.detach().cos())
     assert any(n.startswith("probe_fail: failed and left the graph as it was (RuntimeError: boom)")
-               for n in registry.REPORT.notes)
+               for n in registry.current().notes)
 
 
 def test_a_pass_that_fails_after_editing_raises(monkeypatch):

@@ -12,7 +12,7 @@ import torch
 import torch.nn as nn
 
 import passes.rope  # noqa: F401  (registers the pass)
-from passes.registry import REPORT, register_pass
+from passes.registry import current, register_pass
 from tests.helpers import eager_and_compiled, rel_err
 
 SEQ, HEADS, HEAD_DIM = 12, 2, 16
@@ -187,7 +187,7 @@ def _close(eager, compiled, tol):
 ])
 def test_spellings_become_the_op(rotary, layout):
     eager, compiled = _run(Heads(rotary(HEAD_DIM)))
-    assert REPORT.replacements["rope"] == 2, REPORT.notes
+    assert current().replacements["rope"] == 2, current().notes
     calls = _rope_calls(GRAPHS)
     assert len(calls) == 2 and all(tuple(c.args[3:6]) == (*layout, False) for c in calls)
     _close(eager, compiled, 1e-5)
@@ -196,7 +196,7 @@ def test_spellings_become_the_op(rotary, layout):
 @pytest.mark.parametrize("rotary, complex_table", [(gpt_fast_rotary, False), (complex_rotary, True)])
 def test_sequence_major_spellings_become_the_op(rotary, complex_table):
     eager, compiled = _run(SequenceMajorHeads(rotary, complex_table))
-    assert REPORT.replacements["rope"] == 2, REPORT.notes
+    assert current().replacements["rope"] == 2, current().notes
     calls = _rope_calls(GRAPHS)
     assert len(calls) == 2 and all(tuple(c.args[3:6]) == (True, True, False) for c in calls)
     _close(eager, compiled, 1e-5)
@@ -208,7 +208,7 @@ def test_inductor_code_runs_the_op(model):
     """Through Inductor's code generation: the op reads the heads in place, the tables as given
     (a complex table's parts as strided views)."""
     eager, compiled = _run(model(), codegen=True)
-    assert REPORT.replacements["rope"] == 2
+    assert current().replacements["rope"] == 2
     _close(eager, compiled, 1e-5)
 
 
@@ -252,10 +252,10 @@ class OneTable(PairsThenHalves):
 ])
 def test_other_math_is_left_alone(rotary, note):
     eager, compiled = _run(Heads(rotary(HEAD_DIM)))
-    assert REPORT.replacements["rope"] == 0 and not _rope_calls(GRAPHS)
-    assert (note is None) == (not REPORT.notes)
+    assert current().replacements["rope"] == 0 and not _rope_calls(GRAPHS)
+    assert (note is None) == (not current().notes)
     if note:
-        assert any(note in n for n in REPORT.notes), REPORT.notes
+        assert any(note in n for n in current().notes), current().notes
     _close(eager, compiled, 1e-5)
 
 
@@ -272,20 +272,20 @@ class RandomTables(PairsThenHalves):
 
 def test_random_tables_are_not_taken_for_one():
     _run(Heads(RandomTables(HEAD_DIM)))
-    assert REPORT.replacements["rope"] == 0 and not _rope_calls(GRAPHS)
+    assert current().replacements["rope"] == 0 and not _rope_calls(GRAPHS)
 
 
 def test_head_dim_without_a_kernel_is_left_alone_with_a_note():
     eager, compiled = _run(Heads(PairsThenHalves(12), dim=12))
-    assert REPORT.replacements["rope"] == 0
-    assert any("D/2 a power of two" in n for n in REPORT.notes), REPORT.notes
+    assert current().replacements["rope"] == 0
+    assert any("D/2 a power of two" in n for n in current().notes), current().notes
     _close(eager, compiled, 1e-5)
 
 
 def test_float64_is_left_alone_with_a_note():
     eager, compiled = _run(Heads(PairsThenHalves(HEAD_DIM)), torch.float64)
-    assert REPORT.replacements["rope"] == 0
-    assert any("16/32-bit floats" in n for n in REPORT.notes), REPORT.notes
+    assert current().replacements["rope"] == 0
+    assert any("16/32-bit floats" in n for n in current().notes), current().notes
     _close(eager, compiled, 1e-12)
 
 
@@ -303,5 +303,5 @@ class ScaledRotation(PairsThenHalves):
 
 def test_a_product_with_a_0d_tensor_is_not_a_table():
     eager, compiled = _run(Heads(ScaledRotation(HEAD_DIM)))
-    assert REPORT.replacements["rope"] == 2 and not REPORT.notes, REPORT.notes
+    assert current().replacements["rope"] == 2 and not current().notes, current().notes
     _close(eager, compiled, 1e-5)

@@ -125,7 +125,7 @@ def test_blocks_compiled_once_match_the_whole_graph():
     results = {}
     for blocks in (False, True):
         torch._dynamo.reset()
-        registry.REPORT.clear()
+        registry.current().clear()
         torch.manual_seed(0)
         model = build_model(cfg, "cpu", torch.float32)
         ids = torch.randint(cfg.vocab, (cfg.batch, cfg.seq))
@@ -134,7 +134,7 @@ def test_blocks_compiled_once_match_the_whole_graph():
         loss = step(ids, ids).item()
         block_graphs = [calls.backend.graphs for calls in step.block_calls]
         results[blocks] = (loss, [p.detach().clone() for p in model.parameters()], step.backend.graphs,
-                           block_graphs, dict(registry.REPORT.replacements))
+                           block_graphs, dict(registry.current().replacements))
     (loss_whole, params_whole, graphs_whole, blocks_whole, report_whole), \
         (loss_blocks, params_blocks, graphs_blocks, blocks_blocks, report_blocks) = results[False], results[True]
     assert (graphs_whole, blocks_whole) == (1, [])

@@ -5,6 +5,7 @@ import pytest
 
 from compile_stack import caches
 from compile_stack.backend import settings
+from torch_internals import inductor
 
 
 @pytest.fixture(autouse=True)
@@ -115,7 +116,7 @@ def test_a_gpu_graph_compiles_its_cpu_kernels_without_probing_the_hosts_isa(monk
 
     probes = []
     monkeypatch.setattr(cpu_vec_isa.VecISA, "check_build", lambda self, code: probes.append(self) or False)
-    settings.forget_vec_isas()  # a CPU graph compiled earlier in the session would have them answered
+    inductor.forget_vec_isas()  # a CPU graph compiled earlier in the session would have them answered
     with settings.inductor_config(on_gpu=True):
         assert not cpu_vec_isa.pick_vec_isa()
         assert cpu_vec_isa.valid_vec_isa_list.cache_info().currsize == 1

@@ -42,7 +42,7 @@ def adamw(params):
 def fresh_gpt(layers: int = 2):
     """``tests.user_models``' GPT at a tiny size, from seed 0, with Dynamo and the pass report reset."""
     torch._dynamo.reset()
-    registry.REPORT.clear()
+    registry.current().clear()
     torch.manual_seed(0)
     return user_models.build_gpt(vocab_size=VOCAB, context_length=16, d_model=32, num_layers=layers, num_heads=2,
                                  d_ff=48)
@@ -102,7 +102,7 @@ def run_case(
 ) -> dict:
     """Eager vs compiled on copies of one model; returns the pass report's counts."""
     torch._dynamo.reset()
-    registry.REPORT.clear()
+    registry.current().clear()
     torch.manual_seed(0)
     model = make_model()
     eager_model = copy.deepcopy(model)
@@ -123,10 +123,10 @@ def run_case(
     assert len(ours) == len(theirs)
     for k, (a, b) in enumerate(zip(ours, theirs)):
         torch.testing.assert_close(a, b, **STATE_TOLERANCE, msg=lambda m: f"optimizer state tensor {k}: {m}")
-    counts = dict(registry.REPORT.replacements)
+    counts = dict(registry.current().replacements)
     got = {name: int(counts.get(name, 0)) for name in expect}
-    assert got == expect, f"replacements {got}, expected {expect}; notes: {registry.REPORT.notes}"
+    assert got == expect, f"replacements {got}, expected {expect}; notes: {registry.current().notes}"
     for fragment in notes:
-        assert any(fragment in n for n in registry.REPORT.notes), \
-            f"no note mentions {fragment!r}; notes: {registry.REPORT.notes}"
+        assert any(fragment in n for n in registry.current().notes), \
+            f"no note mentions {fragment!r}; notes: {registry.current().notes}"
     return counts

@@ -9,10 +9,8 @@ a debugging aid.
 """
 import functools
 
-from torch._dynamo.backends.common import aot_autograd
-from torch._functorch.aot_autograd import make_boxed_func
-from torch._functorch.partitioners import min_cut_rematerialization_partition
-from torch._inductor.decomposition import select_decomp_table
+from torch_internals import aot, dynamo, inductor
+from torch_internals.aot import min_cut_rematerialization_partition
 
 
 def compile_aten_graphs(gm, example_inputs, stage: dict, partitioner=None):
@@ -29,13 +27,13 @@ def compile_aten_graphs(gm, example_inputs, stage: dict, partitioner=None):
             stage["joint"](graph_module.graph)
         stage["post_grad"](graph_module.graph)
         graph_module.recompile()
-        return make_boxed_func(graph_module.forward)
+        return aot.make_boxed_func(graph_module.forward)
 
-    return aot_autograd(
+    return dynamo.aot_autograd(
         fw_compiler=compile_graph,
         bw_compiler=compile_graph,
         inference_compiler=functools.partial(compile_graph, is_inference=True),
         partition_fn=partition,
-        decompositions=select_decomp_table(),
+        decompositions=inductor.select_decomp_table(),
         keep_inference_input_mutations=True,
     )(gm, example_inputs)

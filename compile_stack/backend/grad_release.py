@@ -19,24 +19,20 @@ from collections.abc import Callable
 
 import torch
 
+from torch_internals import dynamo
+
 
 def grads_set_to_none(gm: torch.fx.GraphModule) -> list[int]:
     """Positions of ``gm``'s inputs whose ``grad`` the side effects pending in the Dynamo trace that
     captured ``gm`` set to None; empty outside a Dynamo trace."""
-    from torch._dynamo.symbolic_convert import InstructionTranslator
-    from torch._dynamo.variables import TensorVariable
-
-    try:
-        tx = InstructionTranslator.current_tx()
-    except AttributeError:  # no trace in this thread yet
-        return []
+    tx = dynamo.current_tracer()
     if tx is None:
         return []
     placeholders = {node: i for i, node in enumerate(n for n in gm.graph.nodes if n.op == "placeholder")}
     positions = []
     for var, attributes in tx.output.side_effects.store_attr_mutations.items():
         value = attributes.get("grad")
-        if (isinstance(var, TensorVariable) and value is not None and value.is_python_constant()
+        if (isinstance(var, dynamo.tensor_variable_type()) and value is not None and value.is_python_constant()
                 and value.as_python_constant() is None):
             node = var.as_proxy().node
             if node in placeholders:

@@ -27,7 +27,7 @@ import warnings
 import weakref
 
 import torch
-from torch._subclasses.fake_tensor import is_fake
+from torch_internals import fx
 
 # Rows of a mask compared at once when checking it (bounds the temporary to 4096 × columns).
 CHECK_ROWS = 4096
@@ -83,7 +83,7 @@ def _is_candidate(node: torch.fx.Node, value) -> bool:
         name = user.target if isinstance(user.target, str) else getattr(user.target, "__name__", "")
         return user.target is operator.setitem or (name.endswith("_") and not name.startswith("__"))
 
-    return (isinstance(value, torch.Tensor) and not is_fake(value) and not isinstance(value, torch.nn.Parameter)
+    return (isinstance(value, torch.Tensor) and not fx.is_fake(value) and not isinstance(value, torch.nn.Parameter)
             and not value.requires_grad and (value.dtype == torch.bool or value.dtype.is_floating_point)
             and value.dim() >= 2 and bool(node.users) and not any(modifies(u) for u in node.users))
 

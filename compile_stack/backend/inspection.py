@@ -11,7 +11,8 @@ from collections import Counter
 from pathlib import Path
 
 import torch
-from torch._inductor.graph import GraphLowering
+
+from torch_internals import inductor
 
 _DESCRIPTIONS = {
     "dynamo": "graph captured by Dynamo (torch level), as compiled",
@@ -64,9 +65,5 @@ def capture_output_code(writer: InspectionWriter | None):
     if writer is None:
         yield
         return
-    previous = GraphLowering.save_output_code
-    GraphLowering.save_output_code = staticmethod(writer.output_code)
-    try:
+    with inductor.output_code_writer(writer.output_code):
         yield
-    finally:
-        GraphLowering.save_output_code = previous

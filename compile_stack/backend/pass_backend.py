@@ -21,7 +21,6 @@ import contextlib
 import functools
 
 import torch
-from torch._inductor.compile_fx import compile_fx, graph_returns_tuple, make_graph_return_tuple
 
 from compile_stack.backend import input_masks, inspection, pass_records, segments, settings
 from compile_stack.backend.aten_graphs import compile_aten_graphs
@@ -30,6 +29,7 @@ from compile_stack.memory_plan.plan import MemoryPlan
 from compile_stack.memory_plan.share import CallSites
 from passes import registry
 from passes.graph_edit import copy_module
+from torch_internals import aot, inductor
 
 
 class PassBackend:
@@ -46,8 +46,11 @@ class PassBackend:
         backward_now: bool = True,
         uses: int = 1,
         plan: MemoryPlan | None = None,
+        report: registry.PassReport | None = None,
     ):
         self.pass_list = registry.resolve(passes)
+        # What our passes did in this backend's graphs: a step's backends share the step's report.
+        self.report = report if report is not None else registry.PassReport()
         self.outline_blocks = outline_blocks
         # True: compile each backward with its forward, so our passes and settings apply to it
         # without the caller holding ``active()`` open. False: at the first backward(), which must
@@ -74,6 +77,7 @@ class PassBackend:
         """
         observer = self.writer.observer() if self.writer else None
         with (
+            registry.reporting(self.report),
             registry.installed([p.name for p in self.pass_list], observer, stages=("joint", "post_grad")),
             settings.memory_budget(self.memory_budget),
             settings.inductor_config(on_gpu),
@@ -102,7 +106,7 @@ class PassBackend:
         and the graph's passes counted, by the first)."""
         graph_name = f"{self.name}{self.graphs}"
         self.graphs += 1
-        report = registry.REPORT
+        report = self.report
         before = pass_records.Mark.of(report)
         if self.writer:
             self.writer.begin_graph(graph_name, gm)
@@ -110,14 +114,14 @@ class PassBackend:
         captured = copy_module(gm) if masks else None  # as captured, for a call whose masks no longer hold
         self._prepare(gm, masks)
         # Inspecting: the backward's code is filed under this graph only if compiled now.
-        backward_now = torch._functorch.config.patch(
+        backward_now = aot.config_patch(
             force_non_lazy_backward_lowering=self.backward_now or self.writer is not None)
         planned = None
         if self.plan is not None:
             key = f"{self.name}:{pass_records.record_key(gm, self.pass_list).stem}"
             planned = self.plan.graph(graph_name, key, sites, richer)
         partitioner = planned.partitioner if planned is not None else None
-        compile_graph = functools.partial(compile_fx if self.codegen else compile_aten_graphs,
+        compile_graph = functools.partial(inductor.compile_fx if self.codegen else compile_aten_graphs,
                                           **({} if self.codegen else {"stage": self._stages(), "partitioner": partitioner}))
         # An offloaded activation is read by a copy on a side stream after its last reader on the
         # main stream, and may come back to the backward as it is: the transfers hold the tensor
@@ -125,12 +129,12 @@ class PassBackend:
         # buffer would write into it.
         offloading = self.plan is not None and self.plan.offloading
         with (self.active(settings.on_gpu(example_inputs)), backward_now,
-              torch._inductor.config.patch(custom_partitioner_fn=partitioner,
+              inductor.config_patch(custom_partitioner_fn=partitioner,
                                            **({"allow_buffer_reuse": False} if offloading else {}))):
-            if graph_returns_tuple(gm):
+            if inductor.graph_returns_tuple(gm):
                 compiled = compile_graph(gm, example_inputs)
             else:  # a segment returning one value
-                compiled = make_graph_return_tuple(gm, example_inputs, compile_graph)
+                compiled = inductor.make_graph_return_tuple(gm, example_inputs, compile_graph)
         if richer:  # the first compile's passes and notes stand for both
             report.replacements, report.notes[:] = before.replacements, report.notes[:before.notes]
         else:

@@ -12,10 +12,10 @@ from collections import Counter
 from pathlib import Path
 
 import torch
-from torch._inductor.runtime import cache_dir_utils
 
 from compile_stack import caches
 from passes import registry
+from torch_internals import inductor
 
 
 @dataclasses.dataclass(frozen=True)
@@ -34,7 +34,7 @@ class Mark:
 def report_dir() -> Path:
     """Where graphs' pass records live: inside Inductor's cache directory, beside the compiled
     artifacts they describe, so a warm cache comes with them wherever that directory is."""
-    return Path(cache_dir_utils.cache_dir()) / "cstack_pass_reports"
+    return Path(inductor.cache_dir()) / "cstack_pass_reports"
 
 
 def record_key(gm: torch.fx.GraphModule, pass_list: list[registry.RegisteredPass]) -> Path:

@@ -21,11 +21,10 @@ from collections import defaultdict
 from collections.abc import Callable
 
 import torch
-from torch._subclasses.fake_tensor import is_fake
-from torch.fx._lazy_graph_module import _LazyGraphModule
 from torch.fx.passes.split_module import split_module
 
 from compile_stack.memory_plan.share import CallSites
+from torch_internals import fx
 
 # A module path element that indexes a container: "G['model'].layers.3" or "L['self'].layers[3]".
 _INDEXED = re.compile(r"^(?P<container>.+?)(?:\.(?P<dot>\d+)|\[(?P<bracket>\d+)\])$")
@@ -122,7 +121,7 @@ class SharedCompile:
     """
 
     def __init__(self, gm: torch.fx.GraphModule, compile_fn: CompileFn, uses: int):
-        _LazyGraphModule.force_recompile(gm)  # a lazy module's code changes at its first call, failing Dynamo's guards
+        fx.force_recompile(gm)  # a lazy module's code changes at its first call, failing Dynamo's guards
         self.gm = gm
         self.compile_fn = compile_fn
         self.sites = CallSites(uses)
@@ -195,12 +194,12 @@ def register_router(router) -> int:
     return key
 
 
-@torch._dynamo.allow_in_graph
+@torch.compiler.allow_in_graph
 def call_block(key: int, index: int, args: tuple, kwargs: dict, tensors: tuple):
     """Block ``index`` of the router ``key`` applied to ``args``/``kwargs``; ``tensors`` are its
     parameters and buffers, passed so the captured graph records them as the call's inputs."""
     router = _ROUTERS[key]
     block = router.blocks[index]
-    if any(is_fake(t) for t in torch.utils._pytree.tree_leaves((args, kwargs, tensors))):  # Dynamo tracing
+    if any(fx.is_fake(t) for t in fx.tree_leaves((args, kwargs, tensors))):  # Dynamo tracing
         return router.fake_forward(block, args, kwargs, tensors)
     return router.compiled_for(index)(block, *args, **kwargs)

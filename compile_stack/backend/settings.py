@@ -16,9 +16,9 @@ import contextlib
 import os
 
 import torch
-from torch._inductor import cpu_vec_isa
 
 from compile_stack.memory_plan.partitioner import LEAST_BUDGET
+from torch_internals import aot, inductor
 
 def inductor_options(on_gpu: bool = False) -> dict:
     """Inductor config for our compiles; ``on_gpu``: for a graph whose inputs live on a GPU."""
@@ -33,15 +33,6 @@ def inductor_options(on_gpu: bool = False) -> dict:
     return options
 
 
-def forget_vec_isas() -> None:
-    """Forget what Inductor found of the host's vector ISAs: its list, and the AVX-512 classes'
-    own answers, which they keep per ISA whatever ``cpp.vec_isa_ok`` says when next asked."""
-    cpu_vec_isa.valid_vec_isa_list.cache_clear()
-    for isa in cpu_vec_isa.supported_vec_isa_list:
-        if (cache_clear := getattr(type(isa).__bool__, "cache_clear", None)) is not None:
-            cache_clear()
-
-
 @contextlib.contextmanager
 def inductor_config(on_gpu: bool = False):
     """``inductor_options(on_gpu)`` in force. Inductor remembers the host's vector ISAs for the
@@ -49,13 +40,13 @@ def inductor_config(on_gpu: bool = False):
     its look is forgotten after it, so a CPU graph compiled later in the process still gets its
     vector ISA."""
     if on_gpu:
-        forget_vec_isas()
+        inductor.forget_vec_isas()
     try:
-        with torch._inductor.config.patch(inductor_options(on_gpu)):
+        with inductor.config_patch(inductor_options(on_gpu)):
             yield
     finally:
         if on_gpu:
-            forget_vec_isas()
+            inductor.forget_vec_isas()
 
 
 def on_gpu(example_inputs) -> bool:
@@ -71,5 +62,5 @@ def memory_budget(budget: float | None):
         return
     if not 0.0 <= budget <= 1.0:
         raise ValueError(f"memory_budget: expected a fraction in [0, 1], got {budget}")
-    with torch._functorch.config.patch(activation_memory_budget=max(budget, LEAST_BUDGET)):
+    with aot.config_patch(activation_memory_budget=max(budget, LEAST_BUDGET)):
         yield

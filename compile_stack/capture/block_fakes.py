@@ -19,9 +19,8 @@ import dataclasses
 import types
 
 import torch
-from torch._guards import detect_fake_mode
 from torch.multiprocessing.reductions import StorageWeakRef
-from torch.utils._pytree import tree_flatten, tree_unflatten
+from torch_internals import fx
 
 # What every nn.Module keeps in its __dict__ (parameters, buffers, children, hooks, flags).
 _MODULE_INTERNALS = frozenset(vars(torch.nn.Module())) | {"forward"}  # forward: routed while traced
@@ -68,7 +67,7 @@ def _aliasing(leaves) -> tuple:
 
 def call_key(block: torch.nn.Module, args: tuple, kwargs: dict, tensors: tuple):
     """What decides the metadata of ``block``'s output for these inputs, or None if not comparable."""
-    leaves, spec = tree_flatten((args, kwargs, tensors))
+    leaves, spec = fx.tree_flatten((args, kwargs, tensors))
     try:
         modules = tuple((name, type(m), m.training,
                          tuple(sorted((k, _value_key(v)) for k, v in vars(m).items() if k not in _MODULE_INTERNALS)))
@@ -113,9 +112,9 @@ class FakeOutput:
     def of(cls, output, inputs: tuple) -> "FakeOutput | None":
         """None when ``output`` is not fresh tensors (a view, storage shared with ``inputs`` or within
         itself), requires grad without an input that does, or holds values that cannot be compared."""
-        leaves, spec = tree_flatten(output)
+        leaves, spec = fx.tree_flatten(output)
         tensors = [t for t in leaves if isinstance(t, torch.Tensor)]
-        inputs = [t for t in tree_flatten(inputs)[0] if isinstance(t, torch.Tensor)]
+        inputs = [t for t in fx.tree_flatten(inputs)[0] if isinstance(t, torch.Tensor)]
         outs = _storages(tensors)
         if (any(t._is_view() or t.storage_offset() != 0 for t in tensors) or len(set(outs)) != len(outs)
                 or set(outs) & set(_storages(inputs))
@@ -131,10 +130,10 @@ class FakeOutput:
 
     def make(self, inputs: tuple):
         """A new output of this metadata, in the fake mode of ``inputs`` (whose call had the same key)."""
-        flat = tree_flatten(inputs)[0]
+        flat = fx.tree_flatten(inputs)[0]
         anchor = next((t for t in flat if isinstance(t, torch.Tensor) and t.requires_grad), None)
         out = []
-        with detect_fake_mode(flat):
+        with fx.detect_fake_mode(flat):
             for x in self.leaves:
                 if not isinstance(x, _TensorMeta):
                     out.append(x)
@@ -142,4 +141,4 @@ class FakeOutput:
                     out.append(_Made.apply(anchor, x.shape, x.stride, x.dtype, x.device))
                 else:
                     out.append(torch.empty_strided(x.shape, x.stride, dtype=x.dtype, device=x.device))
-        return tree_unflatten(out, self.spec)
+        return fx.tree_unflatten(out, self.spec)

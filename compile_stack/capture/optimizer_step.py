@@ -14,6 +14,7 @@ import torch
 from compile_stack.backend import PassBackend
 from compile_stack.capture.reachable import inspect_target
 from passes.registry import note
+from torch_internals import dynamo
 
 
 def step_counter_sources(optimizer) -> str:
@@ -88,10 +89,10 @@ class CompiledOptimizerStep:
             note("optimizer", f"{type(optimizer).__name__}.step runs eagerly: it assigns attributes "
                               f"({', '.join(sorted(stores))}), which Dynamo drops for torch.optim.Optimizer subclasses")
         # Eagerly means wholly outside Dynamo: a non-recursive disable would let the train step's compile trace it.
-        self.compiled = (torch._dynamo.disable(self.original) if stores
+        self.compiled = (torch.compiler.disable(self.original) if stores
                          else torch.compile(self.original, backend=backend))
-        self.call = torch._dynamo.disable(self._run, recursive=False)
-        self.zero_grad = torch._dynamo.disable(optimizer.zero_grad)
+        self.call = torch.compiler.disable(self._run, recursive=False)
+        self.zero_grad = torch.compiler.disable(optimizer.zero_grad)
 
     def _run(self, *args, **kwargs):
         sources = step_counter_sources(self.optimizer)
@@ -140,12 +141,11 @@ class CompiledOptimizerStep:
     def _dynamic_floats(cls, sources: str, static: bool):
         """Floats named in ``sources`` symbolic from their first value; with ``static``, the
         optimizer's other floats constants at every value."""
-        from torch._dynamo import pgo
-        from torch._dynamo.variables import builder
-
-        if not hasattr(builder, "process_automatic_dynamic"):  # a torch without it: floats as Dynamo decides
+        hook = dynamo.automatic_dynamic()
+        if hook is None:  # a torch without it: floats as Dynamo decides
             yield
             return
+        builder, pgo = hook
         patterns = [re.compile(s) for s in sources.split(",") if s]
         own = re.compile(cls.SELF_SOURCE + r"[.\[]")
         original = builder.process_automatic_dynamic

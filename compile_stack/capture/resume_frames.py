@@ -15,7 +15,7 @@ import contextlib
 import types
 from collections.abc import Sequence
 
-from torch._dynamo import eval_frame, resume_execution
+from torch_internals import dynamo
 
 
 @contextlib.contextmanager
@@ -23,9 +23,8 @@ def compiled_resumes(code: types.CodeType | None, bodies: Sequence[types.CodeTyp
     """While active, each resume frame Dynamo generates from ``code`` or from one of ``bodies`` (or
     from one of those) is compiled as ``code`` is, tensors in it or not, and so are ``bodies``.
     None: nothing changes."""
-    cache = getattr(resume_execution, "ContinueExecutionCache", None)
-    exempt = getattr(eval_frame, "always_optimize_code_objects", None)
-    if code is None or cache is None or exempt is None or "lookup" not in vars(cache):  # a torch without them
+    cache, exempt = dynamo.resume_frame_cache(), dynamo.always_optimized_codes()
+    if code is None or cache is None or exempt is None:  # a torch without them
         yield
         return
     original = vars(cache)["lookup"]
@@ -49,5 +48,7 @@ def compiled_resumes(code: types.CodeType | None, bodies: Sequence[types.CodeTyp
 
 def ran_eagerly(code: types.CodeType | None) -> bool:
     """Whether Dynamo ran the frame of ``code`` eagerly: after a call it holds no compiled entry."""
-    entries = getattr(eval_frame, "_debug_get_cache_entry_list", None)
-    return code is not None and entries is not None and not entries(code)
+    if code is None:
+        return False
+    entries = dynamo.cache_entries(code)
+    return entries is not None and not entries

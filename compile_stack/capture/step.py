@@ -49,6 +49,7 @@ from compile_stack.capture.targets import TargetsCheck
 from compile_stack.memory_plan import MemoryPlan
 from compile_stack.memory_plan.ledger import HOST_FRACTION
 from custom_ops.checks import require
+from passes import registry
 from passes.registry import note
 
 
@@ -69,14 +70,14 @@ class StepOptions:
     offload_host_share: float = 0.0
 
 
-def backend_factory(options: StepOptions, inspect: bool = True,
-                    plan: MemoryPlan | None = None) -> Callable[..., PassBackend]:
-    """Makes our backends for ``options``, all writing to one inspection directory (if any) and,
-    without a fixed memory budget, planned by one ``plan`` (if any); call it with the backend's
-    ``name`` and its own keywords."""
+def backend_factory(options: StepOptions, inspect: bool = True, plan: MemoryPlan | None = None,
+                    report: registry.PassReport | None = None) -> Callable[..., PassBackend]:
+    """Makes our backends for ``options``, all writing to one inspection directory (if any) and
+    one pass ``report`` (if any) and, without a fixed memory budget, planned by one ``plan`` (if
+    any); call it with the backend's ``name`` and its own keywords."""
     writer = InspectionWriter(options.inspect_dir) if options.inspect_dir and inspect else None
     return functools.partial(PassBackend, options.passes, writer, options.memory_budget, codegen=options.codegen,
-                             backward_now=options.backward_now, plan=plan)
+                             backward_now=options.backward_now, plan=plan, report=report)
 
 
 class CompiledStep:
@@ -90,8 +91,8 @@ class CompiledStep:
                 type(train_step).__name__)
         self.train_step = train_step
         self.options = options
-        if options.cache_dir is not None:
-            caches.use_cache_dir(options.cache_dir)
+        # Checked now; in force only while the step compiles and runs (caches.cache_dir_in_force).
+        self.cache_dir = caches.prepare_cache_dir(options.cache_dir) if options.cache_dir is not None else None
         optimizers = find_reachable(train_step, is_optimizer)
         models = find_reachable(train_step, lambda obj: isinstance(obj, torch.nn.Module))
         # The step Dynamo runs: its gradient-accumulation loop bodies, if any, functions of their own.
@@ -103,10 +104,12 @@ class CompiledStep:
         self.memory_plan = (MemoryPlan.for_step(optimizers, models, options.offload_host_share,
                                                 accumulates=bool(self.bodies))
                             if options.memory_budget is None else None)
-        backend = backend_factory(options, plan=self.memory_plan)
+        self.report = registry.PassReport()  # what the passes did in this step's graphs
+        backend = backend_factory(options, plan=self.memory_plan, report=self.report)
         self.backend = backend(name="model", outline_blocks=options.blocks)
         self.optimizer_backend = backend(name="optimizer")
-        self.optimizer_steps = [CompiledOptimizerStep(opt, self.optimizer_backend) for opt in optimizers]
+        with registry.reporting(self.report):  # an optimizer left eager says so in this step's report
+            self.optimizer_steps = [CompiledOptimizerStep(opt, self.optimizer_backend) for opt in optimizers]
         self.block_calls = [calls for model in (models if options.blocks else [])
                             if (calls := BlockCalls.of(model, lambda n: backend(name="block", uses=n))) is not None]
         self.compiled = torch.compile(self.step, backend=self.backend)
@@ -115,17 +118,23 @@ class CompiledStep:
         self.models = models
         # A model's zero-grad, like an optimizer's, runs eagerly: traced, its grad = None would land
         # after the forward graph, the last step's gradients alive through it.
-        self.model_zero_grads = [torch._dynamo.disable(model.zero_grad) for model in models]
+        self.model_zero_grads = [torch.compiler.disable(model.zero_grad) for model in models]
         self.called = False
         functools.update_wrapper(self, train_step)
 
     def __call__(self, *args, **kwargs):
+        with registry.reporting(self.report):
+            return self._call(*args, **kwargs)
+
+    def _call(self, *args, **kwargs):
         self.targets_check.before_call()
         first = not self.called
         if self.memory_plan is not None:
             self.memory_plan.step_starts(args, self.models, first)
         self.called = True
         with contextlib.ExitStack() as stack:
+            if self.cache_dir is not None:
+                stack.enter_context(caches.cache_dir_in_force(self.cache_dir))
             stack.enter_context(self.backend.active())  # the backward may be compiled in this call
             stack.enter_context(compiled_resumes(self.step_code, self.bodies))
             if self.counter_sources:

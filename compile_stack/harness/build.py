@@ -39,8 +39,7 @@ class Built:
 
 def build_step(args, plan, code) -> Built:
     """The model from ``code`` (a ``user_code.StepCode``), the batch, and the step, compiled with
-    ``--compile``; the pass report then holds this run's replacements only."""
-    registry.REPORT.clear()
+    ``--compile`` (its pass report then the current one: ``registry.current()``)."""
     log("building the model...")
     torch.manual_seed(args.seed)
     model = code.build_model(plan.cfg, plan.device, plan.dtype)

@@ -20,7 +20,7 @@ def compare_stock(args, plan, code, batch, ours: dict) -> dict:
     our passes). Under torchrun it is sharded as ours is (FSDP2, a group per block) and steps on
     this rank's share of the batch; its step time is the slowest rank's, its peak the largest.
     """
-    torch._dynamo.reset()  # compiled code and its guards may still refer to our model
+    torch.compiler.reset()  # compiled code and its guards may still refer to our model
     gc.collect()  # the compiled pieces and their modules refer to each other
     if plan.device.type == "cuda":
         release_host_memory()  # ours' pinned buffers for offloaded activations

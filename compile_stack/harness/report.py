@@ -19,7 +19,8 @@ def log(msg: str) -> None:
 def pass_summary(passes: list[str] | None) -> dict:
     """What each of the run's passes replaced (``passes``: the names given, None: all) and the notes."""
     names = [p.name for p in registry.resolve(passes)]
-    return {"passes": registry.REPORT.as_dict(names), "pass_notes": list(registry.REPORT.notes)}
+    report = registry.current()
+    return {"passes": report.as_dict(names), "pass_notes": list(report.notes)}
 
 
 def print_summary(s: dict) -> None:

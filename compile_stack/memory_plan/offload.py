@@ -22,6 +22,7 @@ import torch.fx as fx
 import custom_ops.activation_offload  # noqa: F401 (registers the ops)
 from compile_stack.memory_plan.sizes import size_hint, tensor_bytes
 from passes.graph_edit import inverse_permutation, memory_order
+from torch_internals.fx import OpOverload
 
 # Smaller values are left on the GPU: a copy's fixed costs would outweigh what they free.
 MIN_BYTES = 16 * 2**20
@@ -45,7 +46,7 @@ def _is_dense(val: torch.Tensor) -> bool:
 
 
 def _is_view(node: fx.Node) -> bool:
-    return isinstance(node.target, torch._ops.OpOverload) and node.target.is_view
+    return isinstance(node.target, OpOverload) and node.target.is_view
 
 
 def _readers(node: fx.Node, viewed: bool = False) -> list[fx.Node] | None:
@@ -80,7 +81,7 @@ def _own_kernel(node: fx.Node) -> bool:
     """Whether Inductor runs ``node`` as a kernel of its own (a library matmul or a custom op),
     so its result is in memory anyway: never fused away, free to wait for."""
     target = node.target
-    return (isinstance(target, torch._ops.OpOverload) and target is not OFFLOAD
+    return (isinstance(target, OpOverload) and target is not OFFLOAD
             and (target in MATMULS or target.namespace not in ("aten", "prims")))
 
 

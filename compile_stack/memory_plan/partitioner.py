@@ -25,14 +25,13 @@ from collections.abc import Iterable
 from pathlib import Path
 
 import torch
-from torch._functorch.partitioners import min_cut_rematerialization_partition
-from torch._inductor.custom_graph_pass import CustomPartitionerFn
 
 from compile_stack.memory_plan import ledger, offload, records, share
 from compile_stack.memory_plan.ledger import MemoryLedger
 from compile_stack.memory_plan.share import Candidates, Plan, Share, richer_share
 from compile_stack.memory_plan.sizes import tensor_bytes
 from passes.graph_edit import copy_module
+from torch_internals import aot, inductor
 
 # At exactly 0 the partitioner saves only the graph's inputs, ignoring the
 # must-save marks our passes put on their ops' outputs (so it would recompute
@@ -60,7 +59,7 @@ def plan_code_hash() -> str:
     return hashlib.sha256(Path(__file__).read_bytes() + code).hexdigest()
 
 
-class BudgetedPartitioner(CustomPartitionerFn):
+class BudgetedPartitioner(inductor.CustomPartitionerFn):
     """The min-cut partitioner at the largest budget whose plan fits the ledger.
 
     ``uses``: call sites sharing the graph; its saved bytes count that many
@@ -92,8 +91,8 @@ class BudgetedPartitioner(CustomPartitionerFn):
         trials: dict[float, Plan] = {}
 
         def plan(budget: float):
-            with torch._functorch.config.patch(activation_memory_budget=budget):
-                parts = min_cut_rematerialization_partition(copy_module(gm), joint_inputs, **kwargs)
+            with aot.config_patch(activation_memory_budget=budget):
+                parts = aot.min_cut_rematerialization_partition(copy_module(gm), joint_inputs, **kwargs)
             trials[budget] = Plan(parts, budget, saved_bytes(parts[1], static))
             return parts, trials[budget].saved * self.uses
 

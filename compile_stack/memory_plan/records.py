@@ -16,10 +16,9 @@ import dataclasses
 import hashlib
 from pathlib import Path
 
-from torch._inductor.runtime import cache_dir_utils
-
 from compile_stack import caches
 from compile_stack.memory_plan.share import Share
+from torch_internals import inductor
 
 
 @dataclasses.dataclass(frozen=True)
@@ -34,7 +33,7 @@ class PlanRecord:
 
 def _path(key: str, identity: str) -> Path:
     digest = hashlib.sha256(f"{key}\n{identity}".encode()).hexdigest()[:32]
-    return Path(cache_dir_utils.cache_dir()) / "cstack_plan_records" / f"{digest}.json"
+    return Path(inductor.cache_dir()) / "cstack_plan_records" / f"{digest}.json"
 
 
 def remember(key: str, identity: str, record: PlanRecord) -> None:

@@ -20,6 +20,7 @@ import threading
 from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
+from torch_internals import fx
 
 # One pinning thread: with 2 MiB pages one pinned 15-17 GiB/s on the H200 host, four at once 11-14
 # (the driver's lock), and fewer threads leave more of the CPU to a first call's tracing.
@@ -31,7 +32,7 @@ SPARES = PIN_THREADS
 def _views(buffer: torch.Tensor) -> int:
     """How many tensors hold ``buffer``'s memory (the pool's own included, and the storage
     object this call makes)."""
-    return torch._C._storage_Use_Count(buffer.untyped_storage()._cdata)
+    return fx.storage_use_count(buffer)
 
 
 # ``_views`` of a buffer only the pool holds.

@@ -15,8 +15,9 @@ One role a module:
 - ``configs``: the launch configs of every kernel, and the constants the kernels share;
 - ``triton_kernels``: the Triton kernels and launchers (``triton_fwd``, ``triton_bwd``), which
   run on any CUDA GPU and, under ``TRITON_INTERPRET=1``, on CPU tensors (how the tests check them);
-- ``gluon_kernels``: the Hopper (sm_90) Gluon kernels (``hopper_fwd``, ``hopper_bwd``), which the
-  CUDA ops run instead for 16-bit D=128 attention over whole 128-row tiles (the 8B model's);
+- ``gluon_forward``, ``gluon_backward``: the Hopper (sm_90) Gluon kernels (``hopper_fwd``,
+  ``hopper_bwd``), which the CUDA ops run instead for 16-bit D=128 attention over whole 128-row
+  tiles (the 8B model's); ``gluon_common``: their dispatch rule and shared descriptors;
 - ``cpu``: the plain-torch path the ops run on CPU tensors (fp32, chunks of queries).
 
 Importing this package registers the ops (once: Python imports ``op`` once). The names below
@@ -30,10 +31,11 @@ from custom_ops.attention.layouts import empty_like_v, is_sequence_major
 from custom_ops.attention.triton_kernels import (
     _as_4d, _attn_bwd_delta_kernel, _attn_bwd_dkdv_kernel, _attn_bwd_dq_kernel, _attn_fwd_kernel, _delta,
     triton_bwd, triton_fwd)
-from custom_ops.attention.gluon_kernels import (
-    _attn_bwd_hopper_kernel, _attn_dq_from_fragments_kernel, _attn_fwd_hopper_kernel, _dq_fragments, _dq_layout,
-    _fragments_desc, _rows_desc, dq_from_fragments, hopper_bwd, hopper_fwd, hopper_kernels_accept,
-    uses_hopper_kernels)
+from custom_ops.attention.gluon_backward import (
+    _attn_bwd_hopper_kernel, _attn_dq_from_fragments_kernel, _dq_fragments, _dq_layout, _fragments_desc,
+    dq_from_fragments, hopper_bwd)
+from custom_ops.attention.gluon_common import _rows_desc, hopper_kernels_accept, uses_hopper_kernels
+from custom_ops.attention.gluon_forward import _attn_fwd_hopper_kernel, hopper_fwd
 from custom_ops.attention.op import (
     attention_flops, check_attention_args, check_bwd_args, flash_attention, flash_attention_bwd,
     flash_attention_fwd)

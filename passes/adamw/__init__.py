@@ -56,9 +56,7 @@ loudly rather than update it with the wrong bias correction).
 The modules, by role: ``roles`` (step 1), ``proof`` (step 2), ``rewrite`` (the fused call),
 ``common`` (op names, data flow and the update chain they share).
 """
-import torch
 from torch.fx import Graph
-from torch._subclasses.fake_tensor import unset_fake_temporarily
 
 from passes.adamw.common import NAME, _accepted, _Chain, _Flow, _op_name, _returned
 from passes.adamw.proof import _prove
@@ -66,6 +64,7 @@ from passes.adamw.rewrite import _check_isolated, _fuse
 from passes.adamw.roles import _check_elementwise, _find_chains
 from passes.graph_edit import erase_dead, fake_value
 from passes.registry import note, register_pass
+from torch_internals import fx
 
 __all__ = ["NAME", "fuse_adamw", "_op_name"]  # _op_name: the tests name ops as the pass does
 
@@ -78,7 +77,7 @@ def fuse_adamw(graph: Graph) -> int:
     if not chains:
         return 0
     order = {node: i for i, node in enumerate(graph.nodes)}
-    with unset_fake_temporarily():  # the probes are real float64 tensors, even inside a compile
+    with fx.unset_fake_temporarily():  # the probes are real float64 tensors, even inside a compile
         chains = _prove(chains, graph, flow, order)
     if not chains:
         return 0
@@ -90,7 +89,7 @@ def fuse_adamw(graph: Graph) -> int:
         groups.setdefault((chain.coefficients, chain.lr, chain.step is None), []).append(chain)
 
     placeholders = [fake_value(n) for n in graph.nodes if n.op == "placeholder"]
-    fake_mode = torch._guards.detect_fake_mode(placeholders)
+    fake_mode = fx.detect_fake_mode(placeholders)
     fused = []
     for group in groups.values():
         before = set(graph.nodes)

@@ -10,6 +10,7 @@ from torch.fx.node import map_arg
 from passes.graph_edit import fake_value
 from passes.registry import note
 from passes.rejection import NoMatch
+from torch_internals import fx
 
 aten = torch.ops.aten
 NAME = "adamw"
@@ -17,7 +18,7 @@ NAME = "adamw"
 
 def _op_name(target) -> str | None:
     """``add`` for aten.add.Tensor, ``_foreach_add`` for aten._foreach_add.Scalar; None if not aten/prims."""
-    if isinstance(target, torch._ops.OpOverload) and target.namespace in ("aten", "prims"):
+    if isinstance(target, fx.OpOverload) and target.namespace in ("aten", "prims"):
         return target.overloadpacket.__name__
     return None
 

@@ -11,6 +11,7 @@ from passes.adamw.common import (NAME, _base_name, _Chain, _constant, _Flow, _is
 from passes.graph_edit import fake_value
 from passes.registry import note
 from passes.rejection import NoMatch
+from torch_internals import fx
 
 # Elementwise aten/prims ops a chain may use, by name; their foreach forms
 # (``_foreach_`` prefix) too. The comparisons and ``where`` are how torch's reference
@@ -26,7 +27,7 @@ _DATA_FREE = {"ge", "gt", "le", "lt", "minimum", "maximum", "clamp", "cos", "sin
 # Python-level scalar arithmetic on SymInts/SymFloats (an lr schedule computed inside the step, say).
 _SCALAR_FUNCTIONS = {operator.add, operator.sub, operator.mul, operator.truediv, operator.floordiv, operator.mod,
                      operator.pow, operator.neg, math.sqrt, math.cos, math.sin, math.exp, math.log,
-                     torch.sym_float, torch.sym_min, torch.sym_max, torch._sym_sqrt}
+                     torch.sym_float, torch.sym_min, torch.sym_max, fx.sym_sqrt}
 _SCALAR_FUNCTIONS |= {getattr(torch, f"_sym_{f}") for f in ("cos", "sin", "exp", "log") if hasattr(torch, f"_sym_{f}")}
 
 

@@ -9,11 +9,11 @@ import math
 import operator
 
 import torch
-from torch._subclasses.fake_tensor import unset_fake_temporarily
 
 from passes.attention.common import _shape, aten, prims
 from passes.graph_edit import CAST_OPS, reachable
 from passes.rejection import NoMatch
+from torch_internals import fx
 
 # A masked score at or below this is as good as −inf: exp underflows to exactly 0 even after scaling.
 MASK_FILL_MAX = -1e4
@@ -117,7 +117,7 @@ def _reaxis(value, src, dst):
 def _tensor_value(t):
     """A real tensor (a constant the graph holds) as a Piecewise: a constant, or two values split
     along a diagonal of the last two dims (tril/triu), the same for every leading index."""
-    with unset_fake_temporarily():
+    with fx.unset_fake_temporarily():
         return _real_tensor_value(t)
 
 

@@ -4,13 +4,13 @@ import math
 import operator
 
 import torch
-from torch._subclasses.fake_tensor import unset_fake_temporarily
 
 from custom_ops.attention import HEAD_DIMS
 from passes.attention.common import _shape, aten
 from passes.attention.masks import Piecewise, _causal_bias, _is_causal_keep, _is_fill, _mask_value
 from passes.graph_edit import CAST_OPS, fake_value, reachable
 from passes.rejection import NoMatch
+from torch_internals import fx
 
 # Ops that only reshape or alias a tensor; `_chain_keeps_order` says when a run of them keeps the element order.
 LAYOUT_OPS = {
@@ -29,7 +29,7 @@ def _chain_keeps_order(chain) -> bool:
     src = _shape(chain[0].args[0])
     if src is None or any(_shape(n) is None for n in chain):
         return False
-    with unset_fake_temporarily():
+    with fx.unset_fake_temporarily():
         return _replay_keeps_order(chain, src)
 
 

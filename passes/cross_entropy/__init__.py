@@ -49,14 +49,12 @@ The modules, by role: ``loss`` (steps 1–2), ``head`` (3), ``candidates`` (4, a
 ``rewrite`` (the replacement), ``common`` (op sets and view bookkeeping they share).
 """
 import torch
-from torch._inductor.fx_passes.joint_graph import early_patterns
-from torch._inductor.fx_passes.post_grad import remove_noop_ops
-from torch._inductor.pattern_matcher import stable_topological_sort
 
 from passes.cross_entropy.candidates import _find, _note_unmatched_softmaxes
 from passes.cross_entropy.common import PASS, aten
 from passes.cross_entropy.rewrite import _rewrite
 from passes.registry import register_pass
+from torch_internals import inductor
 
 
 @register_pass(PASS, stage="joint")
@@ -64,14 +62,14 @@ def fuse_linear_cross_entropy(graph: torch.fx.Graph) -> int:
     """Replace LM-head matmul + cross-entropy (forward and backward) by the fused chunked op."""
     if not any(n.op == "call_function" and n.target is aten.exp.default for n in graph.nodes):
         return 0
-    remove_noop_ops(graph)
-    early_patterns.apply(graph)
+    inductor.remove_noop_ops(graph)
+    inductor.early_patterns.apply(graph)
     found, taken = _find(graph)
     _note_unmatched_softmaxes(graph, taken)
     if not found:
         return 0
     for c in found:
         _rewrite(graph, c)
-    stable_topological_sort(graph)
+    inductor.stable_topological_sort(graph)
     graph.eliminate_dead_code()
     return len(found)

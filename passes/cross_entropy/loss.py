@@ -5,11 +5,11 @@ import operator
 from dataclasses import dataclass, field
 
 import torch
-from torch._subclasses.fake_tensor import unset_fake_temporarily
 
 from passes.cross_entropy.common import (NO_IGNORE, _CONVERT, _RESHAPES, _VIEW_OPS, _call, _dim, _rank, _same,
                                          _shape, aten, prims)
 from passes.graph_edit import fake_value
+from torch_internals import fx
 
 
 @dataclass
@@ -225,7 +225,7 @@ def _zero_one(node) -> bool:
         return False
     if node.op == "get_attr":
         value = _get_attr_value(node)
-        with unset_fake_temporarily():
+        with fx.unset_fake_temporarily():
             return isinstance(value, torch.Tensor) and bool(((value == 0) | (value == 1)).all())
     if _call(node, aten.full.default, aten.scalar_tensor.default):
         return node.args[-1] in (0, 1)

@@ -29,7 +29,6 @@ import itertools
 import math
 
 import torch
-from torch._subclasses.fake_tensor import unset_fake_temporarily
 
 import custom_ops.rope  # noqa: F401 (registers the op)
 from custom_ops.checks import FLOAT_DTYPES
@@ -39,6 +38,7 @@ from passes.registry import note, register_pass
 from passes.rejection import NoMatch
 from passes.rope.forms import (
     COPY_OPS, INDEX, LEAF, NO_TABLE, SIGN, TABLE, TABLE_INDEX, Form, Forms)
+from torch_internals import fx
 
 aten = torch.ops.aten
 NAME = "rope"
@@ -156,7 +156,7 @@ def replace_rope(graph: torch.fx.Graph) -> int:
         if node in gone or node.op != "call_function" or node.target not in FINAL_OPS or node in backward:
             continue
         try:
-            with unset_fake_temporarily():  # the forms are real integer arrays
+            with fx.unset_fake_temporarily():  # the forms are real integer arrays
                 found = _rotation(forms, node)
             if found is None:
                 continue

@@ -19,6 +19,7 @@ import operator
 import torch
 
 from passes.graph_edit import CAST_OPS, RESHAPE_OPS, fake_value
+from torch_internals import fx
 
 aten = torch.ops.aten
 # Fields of a term array, along its dim 1.
@@ -103,7 +104,7 @@ def _structure(value, depth: int = 8):
     """What a value computes, as a hashable tree of targets and arguments; a node that is not a
     call, a random or impure one, or one ``depth`` calls down stands for itself."""
     if isinstance(value, torch.fx.Node):
-        seeded = isinstance(value.target, torch._ops.OpOverload) and \
+        seeded = isinstance(value.target, fx.OpOverload) and \
             torch.Tag.nondeterministic_seeded in value.target.tags
         if value.op != "call_function" or depth == 0 or seeded or value.is_impure():
             return value

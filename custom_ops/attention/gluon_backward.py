@@ -1,11 +1,6 @@
-"""The Gluon kernels for Hopper (sm_90) and their launchers: a warp-specialized forward
-(``hopper_fwd``) and a one-pass backward (``hopper_bwd``: five tile matmuls per tile pair where
-the two Triton kernels need seven). The CUDA ops run them on the inputs ``uses_hopper_kernels``
-accepts (16-bit, D = 64 or 128, whole 128-row tiles); BENCHMARKS.md has the figures. q and k
-are read dense; v and dO dense or sequence-major (``layouts``: heads split off a projection, or
-the gradient of such an output), in place, with out and dv written in v's layout.
+"""The one-pass Gluon backward for Hopper (sm_90): ``hopper_bwd``.
 
-Backward: the Triton backward recomputes S = QKᵀ and dP = dO·Vᵀ in both of its kernels: seven
+The Triton backward recomputes S = QKᵀ and dP = dO·Vᵀ in both of its kernels: seven
 tile matmuls per (query tile, key tile). One pass needs five, but its dQ = dS·K must be summed
 over key tiles, and Triton 3.6 gave no layout that kept dK, dV, S, dP and dQ in registers
 (one-pass Triton variants measured slower than the two kernels). Gluon, Triton's lower-level
@@ -24,17 +19,7 @@ reduce-add). Two data layouts decide much of its speed:
   leaves ptxas fewer spills.
 - Causal at D=128, the two query tiles reaching the diagonal run in a loop of their own, so the
   loop over the others holds no mask: ptxas then spills nothing (``HOPPER_BWD_PEEL_DIAGONAL``).
-
-Forward: FA3's layout: one program per 128 queries, warp-specialized into a load warp and two
-compute warp groups of 64 queries each, 128-key K/V tiles in a 3-deep shared-memory ring. A
-group issues its QKᵀ of tile j and its P·V of tile j-1 together (P the register operand). ptxas
-writes tile j's P into the registers P·V reads, so it waits for P·V before the softmax: one
-group's softmax runs under the other group's matmuls, not under its own (a wait placed after
-the softmax ran no faster, BENCHMARKS.md). The groups sync with the load warp through mbarriers
-only, never with each other.
 """
-import math
-
 import torch
 import triton
 import triton.language as tl
@@ -45,37 +30,11 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor as GluonTensorDescriptor
 
 from custom_ops.attention.configs import (
-    DQ_FRAGMENT_ROW, HOPPER_BWD, HOPPER_BWD_PEEL_DIAGONAL, HOPPER_BWD_ROWS, HOPPER_BWD_TMA_EPILOGUE, HOPPER_FWD,
-    HOPPER_FWD_COMPUTE_REGS, HOPPER_HEAD_DIMS, LOG2E, _LN2)
+    DQ_FRAGMENT_ROW, HOPPER_BWD, HOPPER_BWD_PEEL_DIAGONAL, HOPPER_BWD_ROWS, HOPPER_BWD_TMA_EPILOGUE, LOG2E)
+from custom_ops.attention.gluon_common import _head_origin, _in_place_or_dense, _rows_desc, _this_head
 from custom_ops.attention.layouts import empty_like_v, is_sequence_major
-from custom_ops.attention.triton_kernels import _as_4d, _delta, _empty_bwd, _empty_fwd, _no_heads
+from custom_ops.attention.triton_kernels import _as_4d, _delta, _empty_bwd, _no_heads
 
-
-# --------------------------------------------------------------------------- layouts
-
-
-@gluon.jit
-def _this_head():
-    """This program's (batch·head, batch, head): the grids are (tiles, H, Z)."""
-    h = gl.program_id(1)
-    z = gl.program_id(2)
-    return z * gl.num_programs(1) + h, z, h
-
-
-@gluon.jit
-def _head_origin(z, h, S, HEAD_D: gl.constexpr, SEQUENCE_MAJOR: gl.constexpr):
-    """Where row 0 of head (z, h) sits in its descriptor's 2-d view (``_rows_desc``): ((z·H + h)·S, 0)
-    heads-major, (z·S, h·D) sequence-major."""
-    if SEQUENCE_MAJOR:
-        row = z * S
-        col = h * HEAD_D
-    else:
-        row = (z * gl.num_programs(1) + h) * S
-        col = h * 0
-    return row, col
-
-
-# --------------------------------------------------------------------------- backward
 
 @gluon.constexpr_function
 def _dq_fragments(head_d):
@@ -279,158 +238,6 @@ def _attn_bwd_hopper_kernel(q_desc, k_desc, v_desc, do_desc, dq_desc, DK, DV, ST
         gl.store(DV + out, dv.to(dtype))
 
 
-# --------------------------------------------------------------------------- forward
-
-
-@gluon.jit
-def _fwd_hopper_load(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, ready, empty, q_row, k_row0, v_row0,
-                     v_col, n_iter):
-    """The load warp: Q once, then K and V tiles into the ring as the compute groups free slots."""
-    STAGES: gl.constexpr = k_smem.type.shape[0]
-    BLOCK_N: gl.constexpr = k_smem.type.shape[1]
-    mbarrier.expect(q_bar, q_desc.block_type.nbytes)
-    tma.async_copy_global_to_shared(q_desc, [q_row, 0], q_bar, q_smem)
-    for j in range(n_iter):
-        slot = j % STAGES
-        mbarrier.wait(empty.index(slot), ((j // STAGES) & 1) ^ 1)  # the first round passes
-        mbarrier.expect(ready.index(slot), 2 * k_desc.block_type.nbytes)
-        tma.async_copy_global_to_shared(k_desc, [k_row0 + j * BLOCK_N, 0], ready.index(slot), k_smem.index(slot))
-        tma.async_copy_global_to_shared(v_desc, [v_row0 + j * BLOCK_N, v_col], ready.index(slot), v_smem.index(slot))
-
-
-@gluon.jit
-def _mask_after_diagonal(s, rows, start_n, start_m, IS_CAUSAL: gl.constexpr):
-    """Causal: scores of the key tile at ``start_n`` set to -inf where the key comes after the
-    query (``rows``: the queries' positions); only tiles reaching the diagonal do any work."""
-    if IS_CAUSAL:
-        BLOCK_N: gl.constexpr = s.type.shape[1]
-        if start_n + BLOCK_N > start_m:
-            cols = start_n + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s.type.layout))
-            s = gl.where(gl.expand_dims(rows, 1) >= gl.expand_dims(cols, 0), s, float("-inf"))
-    return s
-
-
-@gluon.jit
-def _fwd_hopper_compute(GROUP: gl.constexpr, o_desc, q_smem, k_smem, v_smem, q_bar, ready, empty, LSE, qk_scale,
-                        o_row, o_col, start_m, n_iter, IS_CAUSAL: gl.constexpr):
-    """One compute warp group: online softmax over the key tiles for its 64 queries, then O
-    through its (no longer needed) Q rows in shared memory and a TMA store."""
-    STAGES: gl.constexpr = k_smem.type.shape[0]
-    BLOCK_N: gl.constexpr = k_smem.type.shape[1]
-    HEAD_D: gl.constexpr = k_smem.type.shape[2]
-    ROWS: gl.constexpr = o_desc.block_type.shape[0]
-    dtype: gl.constexpr = k_smem.dtype
-    L_S: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK_N, 16])
-    L_O: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, HEAD_D, 16])
-    P_OPERAND: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=L_O, k_width=2)
-    q = q_smem.slice(GROUP * ROWS, ROWS)
-    rows = start_m + GROUP * ROWS + gl.arange(0, ROWS, layout=gl.SliceLayout(1, L_S))
-    acc = gl.zeros([ROWS, HEAD_D], gl.float32, L_O)
-    mbarrier.wait(q_bar, 0)
-    mbarrier.wait(ready.index(0), 0)
-    # Tile 0 alone: S, then P; the loop then issues QKᵀ of tile j with P·V of tile j-1.
-    s = warpgroup_mma(q, k_smem.index(0).permute((1, 0)), gl.zeros([ROWS, BLOCK_N], gl.float32, L_S), use_acc=False)
-    s = _mask_after_diagonal(s, rows, 0, start_m, IS_CAUSAL)
-    # Scores stay unscaled; scale*log2(e) is folded into the exp2 argument.
-    m_i = gl.max(s, 1) * qk_scale
-    p = gl.exp2(s * qk_scale - gl.expand_dims(m_i, 1))
-    l_i = gl.sum(p, 1)
-    p = gl.convert_layout(p.to(dtype), P_OPERAND)
-    for j in range(1, n_iter):
-        slot = j % STAGES
-        prev = (j - 1) % STAGES
-        mbarrier.wait(ready.index(slot), (j // STAGES) & 1)
-        s_tok = warpgroup_mma(q, k_smem.index(slot).permute((1, 0)), gl.zeros([ROWS, BLOCK_N], gl.float32, L_S),
-                              use_acc=False, is_async=True)
-        acc = warpgroup_mma(p, v_smem.index(prev), acc, is_async=True)
-        s = _mask_after_diagonal(warpgroup_mma_wait(1, deps=(s_tok,)), rows, j * BLOCK_N, start_m, IS_CAUSAL)
-        m_new = gl.maximum(m_i, gl.max(s, 1) * qk_scale)
-        p_new = gl.exp2(s * qk_scale - gl.expand_dims(m_new, 1))
-        alpha = gl.exp2(m_i - m_new)
-        l_i = l_i * alpha + gl.sum(p_new, 1)
-        m_i = m_new
-        acc, p = warpgroup_mma_wait(0, deps=(acc, p))
-        mbarrier.arrive(empty.index(prev), count=1)  # this group is done with tile j-1's K and V
-        acc = acc * gl.expand_dims(gl.convert_layout(alpha, gl.SliceLayout(1, L_O)), 1)
-        p = gl.convert_layout(p_new.to(dtype), P_OPERAND)
-    acc = warpgroup_mma(p, v_smem.index((n_iter - 1) % STAGES), acc)
-    acc = acc / gl.expand_dims(gl.convert_layout(l_i, gl.SliceLayout(1, L_O)), 1)
-    gl.store(LSE + rows, (m_i + gl.log2(l_i)) * _LN2)
-    q.store(acc.to(dtype))  # only this group reads these Q rows
-    fence_async_shared()
-    gl.thread_barrier()  # of this warp group
-    tma.async_copy_shared_to_global(o_desc, [o_row + GROUP * ROWS, o_col], q)
-    tma.store_wait(0)
-
-
-@gluon.jit
-def _attn_fwd_hopper_kernel(q_desc, k_desc, v_desc, o_desc, LSE, qk_scale, SQ, SK,
-                            IS_CAUSAL: gl.constexpr, HEAD_D: gl.constexpr, BLOCK_M: gl.constexpr,
-                            BLOCK_N: gl.constexpr, STAGES: gl.constexpr, COMPUTE_REGS: gl.constexpr,
-                            V_SEQUENCE_MAJOR: gl.constexpr):
-    # q/k descriptors read [B·H·S, D]; v's and O's layout is V_SEQUENCE_MAJOR's (``_rows_desc``);
-    # SQ and SK are whole tiles. Largest causal query tiles first.
-    start_m = (gl.num_programs(0) - 1 - gl.program_id(0)) * BLOCK_M
-    zh, z, h = _this_head()
-    dtype: gl.constexpr = q_desc.dtype
-    q_smem = gl.allocate_shared_memory(dtype, [BLOCK_M, HEAD_D], q_desc.layout)
-    k_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD_D], k_desc.layout)
-    v_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD_D], v_desc.layout)
-    q_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    mbarrier.init(q_bar, count=1)
-    for i in gl.static_range(STAGES):
-        mbarrier.init(ready.index(i), count=1)
-        mbarrier.init(empty.index(i), count=2)  # one arrival per compute group
-    n_iter = (start_m + BLOCK_M if IS_CAUSAL else SK) // BLOCK_N
-    q_row = zh * SQ + start_m
-    v_row0, v_col = _head_origin(z, h, SK, HEAD_D, V_SEQUENCE_MAJOR)
-    o_row, o_col = _head_origin(z, h, SQ, HEAD_D, V_SEQUENCE_MAJOR)
-    o_row += start_m
-    lse = LSE + zh * SQ
-    gl.warp_specialize([
-        (_fwd_hopper_compute, (0, o_desc, q_smem, k_smem, v_smem, q_bar, ready, empty, lse, qk_scale, o_row, o_col,
-                               start_m, n_iter, IS_CAUSAL)),
-        (_fwd_hopper_compute, (1, o_desc, q_smem, k_smem, v_smem, q_bar, ready, empty, lse, qk_scale, o_row, o_col,
-                               start_m, n_iter, IS_CAUSAL)),
-        (_fwd_hopper_load, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, ready, empty, q_row, zh * SK,
-                            v_row0, v_col, n_iter)),
-    ], [4, 1], [COMPUTE_REGS, 24])
-
-
-# --------------------------------------------------------------------------- launchers
-
-
-def uses_hopper_kernels(q: torch.Tensor, k: torch.Tensor) -> bool:
-    """Whether the CUDA ops run the Gluon kernels (``hopper_fwd``, ``hopper_bwd``) on these inputs
-    (``hopper_kernels_accept``); every other input takes the Triton ones."""
-    return q.is_cuda and hopper_kernels_accept(torch.cuda.get_device_capability(q.device), q.shape[-1], q.dtype,
-                                               q.shape[-2], k.shape[-2])
-
-
-def hopper_kernels_accept(capability: tuple[int, int], head_dim: int, dtype: torch.dtype, sq: int, sk: int) -> bool:
-    """The dispatch rule, apart from the device so CPU tests can check it: an sm_90 GPU exactly (the
-    kernels use wgmma, which sm_100 and older GPUs lack), D = 64 or 128, 16-bit, Sq and Sk in whole
-    128-row tiles."""
-    if capability != (9, 0) or head_dim not in HOPPER_HEAD_DIMS or dtype not in (torch.bfloat16, torch.float16):
-        return False
-    bwd = HOPPER_BWD[head_dim]
-    tile = math.lcm(HOPPER_FWD.block_m, HOPPER_FWD.block_n, bwd.block_m, bwd.block_n)
-    return sq % tile == 0 and sk % tile == 0
-
-
-_GLUON_DTYPES = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16, torch.float32: gl.float32}
-
-
-def _rows_desc(t: torch.Tensor, rows: int) -> GluonTensorDescriptor:
-    """A Gluon descriptor of [rows, D] tiles of a [Z, H, S, D] tensor: heads-major seen as
-    [Z·H·S, D], sequence-major as [Z·S, H·D] (``_head_origin`` finds a head's rows in either)."""
-    flat = t.transpose(1, 2).view(-1, t.shape[1] * t.shape[-1]) if is_sequence_major(t) else t.view(-1, t.shape[-1])
-    layout = gl.NVMMASharedLayout.get_default_for([rows, t.shape[-1]], _GLUON_DTYPES[t.dtype])
-    return GluonTensorDescriptor(flat, list(flat.shape), list(flat.stride()), [rows, t.shape[-1]], layout)
-
-
 def _fragments_desc(acc: torch.Tensor) -> GluonTensorDescriptor:
     """The fp32 dQ buffer as unswizzled [N, DQ_FRAGMENT_ROW] rows, one query tile per box."""
     flat = acc.view(-1, DQ_FRAGMENT_ROW)
@@ -458,34 +265,6 @@ def dq_from_fragments(acc: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     d = acc.shape[-1]
     _attn_dq_from_fragments_kernel[(acc.numel() // (64 * d),)](acc, dq, HEAD_D=d, num_warps=8)
     return dq
-
-
-
-def _in_place_or_dense(t: torch.Tensor) -> torch.Tensor:
-    """v or dO as 4-d: read in place if sequence-major (the kernels take either layout for them,
-    and lay out and dv out like v), else copied dense. q and k are always copied dense."""
-    t4 = _as_4d(t)
-    return t4 if is_sequence_major(t4) else t4.contiguous()
-
-
-def hopper_fwd(q, k, v, is_causal: bool, scale: float):
-    """Run the warp-specialized Gluon forward on inputs ``uses_hopper_kernels`` accepts; returns (out, lse)."""
-    if _no_heads(q):
-        return _empty_fwd(q, v)
-    q4, k4 = (_as_4d(t).contiguous() for t in (q, k))
-    v4 = _in_place_or_dense(v)
-    Z, H, SQ, D = q4.shape
-    SK = k4.shape[2]
-    t = HOPPER_FWD
-    out = empty_like_v((Z, H, SQ, D), q.dtype, v4)
-    lse = torch.empty((Z, H, SQ), dtype=torch.float32, device=q.device)
-    _attn_fwd_hopper_kernel[(SQ // t.block_m, H, Z)](
-        _rows_desc(q4, t.block_m), _rows_desc(k4, t.block_n), _rows_desc(v4, t.block_n),
-        _rows_desc(out, t.block_m // 2), lse, scale * LOG2E, SQ, SK,
-        IS_CAUSAL=is_causal, HEAD_D=D, BLOCK_M=t.block_m, BLOCK_N=t.block_n, STAGES=t.num_stages,
-        COMPUTE_REGS=HOPPER_FWD_COMPUTE_REGS, V_SEQUENCE_MAJOR=is_sequence_major(v4), num_warps=t.num_warps,
-    )
-    return out.view(q.shape), lse.view(q.shape[:-1])
 
 
 def hopper_bwd(dout, q, k, v, out, lse, is_causal: bool, scale: float):

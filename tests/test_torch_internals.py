@@ -1,0 +1,160 @@
+"""Every private torch API the project reaches through ``torch_internals``, checked on this torch.
+
+A torch release that moves one of them fails here, by name, rather than in a pass or a backend.
+``CHECKED_ON`` lists the torch versions these tests passed on; a torch outside it fails the first
+test until it is checked and added.
+"""
+import types
+
+import pytest
+import torch
+
+import torch_internals
+from torch_internals import aot, dynamo, fx, inductor
+
+
+def test_this_torch_was_checked():
+    version = ".".join(torch.__version__.split("+")[0].split(".")[:2])
+    assert version in torch_internals.CHECKED_ON, (
+        f"torch {version} is not in torch_internals.CHECKED_ON {torch_internals.CHECKED_ON}: run "
+        "tests/test_torch_internals.py on it and add it")
+
+
+def _traced_code(fn) -> types.CodeType:
+    torch.compile(fn, backend="eager")(torch.ones(2))
+    return fn.__code__
+
+
+def test_dynamo_frame_cache_and_resume_frames():
+    def compiled(x):
+        return x + 1
+
+    def never(x):
+        return x - 1
+
+    torch.compiler.reset()
+    code = _traced_code(compiled)
+    assert dynamo.cache_entries(code), "a compiled function has a cache entry"
+    assert dynamo.cache_entries(never.__code__) == []
+    cache = dynamo.resume_frame_cache()
+    assert cache is not None and isinstance(vars(cache)["lookup"], classmethod)
+    codes = dynamo.always_optimized_codes()
+    assert codes is not None and hasattr(codes, "__setitem__")
+
+
+def test_dynamo_tracer_is_visible_to_a_backend_only():
+    seen = []
+
+    def backend(gm, example_inputs):
+        tracer = dynamo.current_tracer()
+        seen.append(tracer is not None and hasattr(tracer.output, "side_effects"))
+        return gm
+
+    assert dynamo.current_tracer() is None
+    torch.compiler.reset()
+    torch.compile(lambda x: x * 2, backend=backend)(torch.ones(3))
+    assert seen == [True]
+    assert isinstance(dynamo.tensor_variable_type(), type)
+
+
+def test_dynamo_automatic_dynamic_hook():
+    hook = dynamo.automatic_dynamic()
+    assert hook is not None
+    builder, pgo = hook
+    assert callable(builder.process_automatic_dynamic)
+    entry = pgo.FrameStateSizeEntry.make_scalar(pgo.auto_dynamic)
+    assert entry.scalar is pgo.auto_dynamic
+
+
+def test_aot_autograd_pieces():
+    before = torch._functorch.config.activation_memory_budget
+    with aot.config_patch(activation_memory_budget=0.25):
+        assert torch._functorch.config.activation_memory_budget == 0.25
+    assert torch._functorch.config.activation_memory_budget == before
+    boxed = aot.make_boxed_func(lambda *args: args)
+    assert getattr(boxed, "_boxed_call", False)
+    seen = []
+
+    def partition(joint, inputs, **kwargs):
+        seen.append(True)
+        return aot.min_cut_rematerialization_partition(joint, inputs, **kwargs)
+
+    backend = dynamo.aot_autograd(fw_compiler=lambda gm, _: aot.make_boxed_func(gm), bw_compiler=lambda gm, _: aot.make_boxed_func(gm),
+                                  partition_fn=partition)
+    torch.compiler.reset()
+    x = torch.ones(3, requires_grad=True)
+    torch.compile(lambda t: (t.sin() * 2).sum(), backend=backend)(x).backward()
+    assert seen and torch.allclose(x.grad, 2 * x.detach().cos())
+
+
+def test_inductor_pieces(tmp_path):
+    with inductor.config_patch({"max_autotune": True}, fx_graph_cache=False):
+        assert torch._inductor.config.max_autotune and not torch._inductor.config.fx_graph_cache
+    assert isinstance(inductor.cache_dir(), str)
+    inductor.forget_vec_isas()
+    assert issubclass(inductor.CustomGraphPass, object) and issubclass(inductor.CustomPartitionerFn, object)
+    assert isinstance(inductor.get_hash_for_files((__file__,)), bytes)
+    assert torch.ops.aten.addmm.default in inductor.select_decomp_table()
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    aten_graph = make_fx(lambda x: x.clone() + 1)(torch.ones(4)).graph
+    inductor.remove_noop_ops(aten_graph)
+    assert "clone" not in str(aten_graph)
+    inductor.stable_topological_sort(aten_graph)
+    codes = []
+    torch.compiler.reset()
+    with inductor.output_code_writer(codes.append), inductor.config_patch(fx_graph_cache=False):
+        gm = torch.fx.symbolic_trace(lambda x: (x * 3,))
+        assert inductor.graph_returns_tuple(gm)
+        compiled = inductor.compile_fx(gm, [torch.ones(4)])
+    assert torch.equal(compiled(torch.ones(4))[0], torch.full((4,), 3.0))
+    assert codes and "def call" in codes[-1]
+    single = torch.fx.symbolic_trace(lambda x: x * 3)
+    assert not inductor.graph_returns_tuple(single)
+
+    def recompiled(gm, _):
+        gm.recompile()
+        return gm
+
+    made = inductor.make_graph_return_tuple(single, [torch.ones(4)], recompiled)
+    assert torch.equal(made(torch.ones(4)), torch.full((4,), 3.0))
+    assert hasattr(inductor.early_patterns, "apply")
+
+
+def test_fx_fake_tensors_pytree_and_bindings():
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode() as mode:
+        fake = torch.empty(2, 3)
+    assert fx.is_fake(fake) and not fx.is_fake(torch.empty(1))
+    assert fx.detect_fake_mode([fake]) is mode
+    with mode, fx.unset_fake_temporarily():
+        assert not fx.is_fake(torch.empty(1))
+    leaves, spec = fx.tree_flatten({"a": [1, 2], "b": (3,)})
+    assert leaves == [1, 2, 3] and fx.tree_unflatten(leaves, spec) == {"a": [1, 2], "b": (3,)}
+    assert fx.tree_leaves(((1,), [2])) == [1, 2]
+    assert isinstance(torch.ops.aten.add.Tensor, fx.OpOverload)
+    param = torch.nn.Parameter(torch.ones(2))
+    data = fx.get_data_attr(param)
+    assert not isinstance(data, torch.nn.Parameter) and data.data_ptr() == param.data_ptr()
+    fx.set_grad_enabled(False)
+    try:
+        assert not torch.is_grad_enabled()
+    finally:
+        fx.set_grad_enabled(True)
+    assert fx.sym_sqrt(4.0) == pytest.approx(2.0)
+    t = torch.ones(8)
+    alone = fx.storage_use_count(t)
+    view = t[2:]
+    assert fx.storage_use_count(t) == alone + 1
+    del view
+
+
+def test_fx_force_recompile_of_a_lazy_module():
+    from torch.fx._lazy_graph_module import _make_graph_module
+
+    traced = torch.fx.symbolic_trace(lambda x: x + 1)
+    lazy = _make_graph_module(traced, traced.graph)
+    fx.force_recompile(lazy)
+    assert "x + 1" in lazy.code or "add" in lazy.code
+    assert torch.equal(lazy(torch.zeros(2)), torch.ones(2))

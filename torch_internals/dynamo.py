@@ -1,0 +1,58 @@
+"""Dynamo internals: its frame cache, resume frames, the tracer and automatic-dynamic scalars.
+
+Each accessor returns None on a torch that lacks what it reaches for; its callers then leave
+Dynamo's behaviour as it is.
+"""
+import types
+
+from torch._dynamo import eval_frame, resume_execution
+from torch._dynamo.backends.common import aot_autograd
+
+__all__ = ["aot_autograd", "resume_frame_cache", "always_optimized_codes", "cache_entries",
+           "current_tracer", "tensor_variable_type", "automatic_dynamic"]
+
+
+def resume_frame_cache():
+    """The class whose ``lookup`` classmethod makes (and caches) the code of a resume frame after
+    a graph break, or None."""
+    cache = getattr(resume_execution, "ContinueExecutionCache", None)
+    return cache if cache is not None and "lookup" in vars(cache) else None
+
+
+def always_optimized_codes() -> dict | None:
+    """The code objects Dynamo compiles even when their frame holds no tensor (by identity)."""
+    return getattr(eval_frame, "always_optimize_code_objects", None)
+
+
+def cache_entries(code: types.CodeType) -> list | None:
+    """The compiled entries Dynamo holds for ``code``; None if this torch cannot tell."""
+    entries = getattr(eval_frame, "_debug_get_cache_entry_list", None)
+    return None if entries is None else entries(code)
+
+
+def current_tracer():
+    """The instruction translator tracing in this thread, or None outside a Dynamo trace."""
+    from torch._dynamo.symbolic_convert import InstructionTranslator
+
+    try:
+        return InstructionTranslator.current_tx()
+    except AttributeError:  # no trace in this thread yet
+        return None
+
+
+def tensor_variable_type() -> type:
+    """Dynamo's class of a traced tensor in its side-effect records."""
+    from torch._dynamo.variables import TensorVariable
+
+    return TensorVariable
+
+
+def automatic_dynamic():
+    """``(builder, pgo)``: the module whose ``process_automatic_dynamic`` decides whether a traced
+    scalar becomes symbolic, and the profile module whose entries it takes; None if absent."""
+    from torch._dynamo import pgo
+    from torch._dynamo.variables import builder
+
+    if not hasattr(builder, "process_automatic_dynamic") or not hasattr(pgo, "FrameStateSizeEntry"):
+        return None
+    return builder, pgo
