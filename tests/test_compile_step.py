@@ -500,33 +500,40 @@ def test_a_global_step_counter_is_traced_as_a_symbol(users_script):
         torch.testing.assert_close(compiled, eager, rtol=1e-4, atol=1e-5)
 
 
-def test_two_steps_in_one_process_keep_their_own_reports_and_plans():
-    """A train step and an eval-style step (no optimizer, a loss the pass leaves alone) of two
-    models: each step's report holds its own graphs' replacements and notes only, each its own
-    memory plan, and ``pass_report()`` without a step is the step called last."""
+def test_two_steps_in_one_process_keep_their_own_reports_and_plans(monkeypatch):
+    """Two models' train steps in one process (AdamW, SGD): each step's report holds its own
+    graphs' replacements only, each its own memory plan (a ledger of a large fake device), the
+    first's untouched by the second's compile; ``pass_report()`` without a step is the step
+    called last."""
+    from compile_stack.memory_plan import MemoryPlan
+    from compile_stack.memory_plan.ledger import MemoryLedger
+
+    def plan_of_a_large_device(cls, *args, **kwargs):
+        return cls(MemoryLedger(1 << 40, allocated=lambda: 0, future_state=lambda: 0, device=torch.device("cpu")))
+
+    monkeypatch.setattr(MemoryPlan, "for_step", classmethod(plan_of_a_large_device))
     torch._dynamo.reset()
     torch.manual_seed(0)
-    train_model, eval_model = gpt(2), gpt(3)
-    optimizer = torch.optim.AdamW(train_model.parameters(), lr=1e-3)
-    train = compile_stack.compile_step(make_train_step(train_model, mean_cross_entropy, optimizer), codegen=False)
-
-    def evaluate(inputs, targets):
-        with torch.no_grad():
-            return eval_model(inputs).float().square().mean()
-
-    score = compile_stack.compile_step(evaluate, codegen=False)
+    first_model, second_model = gpt(2), gpt(3)
+    first = compile_stack.compile_step(make_train_step(first_model, mean_cross_entropy,
+                                                       torch.optim.AdamW(first_model.parameters())), codegen=False)
+    second = compile_stack.compile_step(make_train_step(second_model, mean_cross_entropy,
+                                                        torch.optim.SGD(second_model.parameters(), lr=0.1)),
+                                        codegen=False)
     (inputs, targets), = batches(1)
-    train(inputs, targets)
-    score(inputs, targets)
-    trained, scored = compile_stack.pass_report(train), compile_stack.pass_report(score)
-    assert trained["replacements"]["attention"] == 2 and trained["replacements"]["cross_entropy"] == 1
-    assert trained["replacements"]["adamw"] >= 1
-    assert scored["replacements"]["attention"] == 3 and scored["replacements"]["cross_entropy"] == 0
-    assert not scored["replacements"].get("adamw")
-    assert compile_stack.pass_report() == scored
-    train(inputs, targets)  # a second call compiles nothing: its report is unchanged, and now the latest
-    assert compile_stack.pass_report() == compile_stack.pass_report(train) == trained
-    assert train.report is not score.report and train.memory_plan is not score.memory_plan
+    first(inputs, targets)
+    first_ledger = dict(first.memory_plan.ledger.reserved)
+    second(inputs, targets)
+    one, two = compile_stack.pass_report(first), compile_stack.pass_report(second)
+    assert (one["replacements"]["attention"], one["replacements"]["cross_entropy"], one["replacements"]["adamw"]) \
+        == (2, 1, 1)
+    assert (two["replacements"]["attention"], two["replacements"]["cross_entropy"], two["replacements"]["adamw"]) \
+        == (3, 1, 0)
+    assert compile_stack.pass_report() == two
+    first(inputs, targets)  # compiles nothing new: its report unchanged, and now the latest
+    assert compile_stack.pass_report() == compile_stack.pass_report(first) == one
+    assert first.memory_plan is not second.memory_plan and first_ledger
+    assert first.memory_plan.ledger.reserved == first_ledger and second.memory_plan.ledger.reserved
     with pytest.raises(TypeError, match="^step: expected a CompiledStep"):
         compile_stack.pass_report("train")
 

@@ -9,8 +9,9 @@ a debugging aid.
 """
 import functools
 
-from torch_internals import aot, dynamo, inductor
+from torch_internals import aot, dynamo
 from torch_internals.aot import min_cut_rematerialization_partition
+from torch_internals.inductor import select_decomp_table
 
 
 def compile_aten_graphs(gm, example_inputs, stage: dict, partitioner=None):
@@ -34,6 +35,6 @@ def compile_aten_graphs(gm, example_inputs, stage: dict, partitioner=None):
         bw_compiler=compile_graph,
         inference_compiler=functools.partial(compile_graph, is_inference=True),
         partition_fn=partition,
-        decompositions=inductor.select_decomp_table(),
+        decompositions=select_decomp_table(),
         keep_inference_input_mutations=True,
     )(gm, example_inputs)

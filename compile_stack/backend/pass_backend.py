@@ -112,7 +112,8 @@ class PassBackend:
             self.writer.begin_graph(graph_name, gm)
         masks = input_masks.find(gm, example_inputs)
         captured = copy_module(gm) if masks else None  # as captured, for a call whose masks no longer hold
-        self._prepare(gm, masks)
+        with registry.reporting(self.report):  # the pre-grad passes run here, outside active()
+            self._prepare(gm, masks)
         # Inspecting: the backward's code is filed under this graph only if compiled now.
         backward_now = aot.config_patch(
             force_non_lazy_backward_lowering=self.backward_now or self.writer is not None)
