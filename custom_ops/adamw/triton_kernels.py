@@ -48,7 +48,7 @@ def _update_block(p_ptr, g_ptr, m_ptr, v_ptr, offs, numel, lr, t, beta1, beta2, 
 
     bc1 = _one_minus_pow(log_beta1, t)
     bc2 = _one_minus_pow(log_beta2, t)
-    p = p - lr * weight_decay * p
+    p = p * (1 - lr * weight_decay)  # as torch.optim: an infinite p stays so at lr·wd = 0
     m = beta1 * m + one_minus_beta1 * g
     v = beta2 * v + one_minus_beta2 * g * g
     if TORCH_SEMANTICS:
