@@ -11,7 +11,7 @@ import torch
 import triton
 import triton.language as tl
 
-from custom_ops.linear_cross_entropy import clear_targets_flag, targets_flag
+from custom_ops.flags import clear_targets_flag, on_targets_reported, targets_flag
 
 # Bits of the per-device error flag the kernel sets when it refuses lr / step, or skips the update
 # because the fused cross-entropy flagged a bad target.
@@ -194,10 +194,13 @@ def raise_if_refused(device: torch.device | str | None = None) -> None:
 
 
 def forget_refused_targets() -> None:
-    """Called by linear_cross_entropy.check_targets_flag() once it raised for a bad target, so that
-    the refusal this op recorded for the same target is not raised a second time."""
+    """Run when the cross-entropy's check reports a bad target (``custom_ops.flags``), so that the
+    refusal this op recorded for the same target is not raised a second time."""
     for state in _refusals.values():
         state.forget_targets()
+
+
+on_targets_reported(forget_refused_targets)
 
 
 def launch(plan, lr, step, beta1, beta2, eps, weight_decay, torch_semantics, block, num_warps):
