@@ -119,7 +119,7 @@ def _rewrite(graph, c):
             g = emit(aten.neg.default, g)
         if scale is not None:
             g = emit(aten.div.Tensor, g, scale)
-    where_masked = all(_call(at, aten.where.self) for _, at in loss.masks)
+    where_masked = bool(loss.masks) and all(_call(at, aten.where.self) for _, at in loss.masks)
     for which, (node, transposed) in c["grads"].items():
         with graph.inserting_before(node):
             op_grad = grad_hidden if which == "hidden" else grad_weight
