@@ -15,7 +15,10 @@ from tests.user_models import MyAdamW
 
 VOCAB, D, BATCH, SEQ = 11, 8, 2, 5  # a vocabulary larger than a batch's tokens: embedding rows with v = 0
 CHOICES = {"lr": (0.0, 1e-3, 3e-2), "weight_decay": (0.0, 0.01, 0.5), "beta1": (0.0, 0.5, 0.9),
-           "beta2": (0.0, 0.9, 0.999), "eps": (0.0, 1e-8, 1e-3)}
+           "beta2": (0.9, 0.999), "eps": (0.0, 1e-8, 1e-3)}
+# Not β₂ = 0 here (tests/test_adamw_op.py has it, from equal gradients): v then keeps no history and the
+# update m/(|g| + eps) turns fp32 noise in a gradient near 0 (a 2% difference, between two correct
+# gradients of a near-cancelling sum) into a step of lr·|m/g| on either side.
 
 
 class TinyLM(nn.Module):
@@ -61,14 +64,17 @@ def batch(rng: random.Random, ignored: str):
 
 
 def assert_same(actual, expected, what):
-    """Equal to fp32 noise, NaN where eager has NaN and nowhere else."""
-    torch.testing.assert_close(actual, expected, rtol=2e-4, atol=2e-5, equal_nan=True, msg=lambda m: f"{what}: {m}")
+    """Equal to fp32 noise (grown by eps = 0 steps), NaN where eager has NaN and nowhere else."""
+    torch.testing.assert_close(actual, expected, rtol=1e-3, atol=2e-5, equal_nan=True, msg=lambda m: f"{what}: {m}")
 
 
+@pytest.mark.parametrize("seed", [0, 1])
 @pytest.mark.parametrize("make_optimizer", [torch.optim.AdamW, MyAdamW], ids=["torch.optim.AdamW", "hand-written"])
-def test_random_edits_and_ignored_targets_match_eager(make_optimizer):
+def test_random_edits_and_ignored_targets_match_eager(make_optimizer, seed):
+    """Each step's hyperparameters drawn afresh (a new weight decay, beta or eps recompiles the
+    optimizer step, lr does not); the seed picks one sequence of edits."""
     torch._dynamo.reset()
-    rng = random.Random(f"edits {make_optimizer.__name__}")
+    rng = random.Random(f"edits {make_optimizer.__name__} {seed}")
     model = TinyLM()
     eager_model = copy.deepcopy(model)
     optimizer, eager_optimizer = make_optimizer(model.parameters()), make_optimizer(eager_model.parameters())
