@@ -298,7 +298,8 @@ def multiply_masked_mean(logits, targets):
     return (rows * keep).sum() / keep.sum()
 
 
-@pytest.mark.parametrize("loss_fn", [library_mean_ignore, where_masked_mean, multiply_masked_mean], ids=lambda f: f.__name__)
+@pytest.mark.parametrize("loss_fn", [library_mean_ignore, where_masked_mean, multiply_masked_mean],
+                         ids=lambda f: f.__name__)
 def test_every_target_ignored_matches_eager_nan_for_nan(loss_fn):
     """A batch with no kept target: the mean is 0/0 = NaN, and d loss/d sum = 1/0. Eager's gradients
     are then 0 where the rows are masked by where (F.cross_entropy's ignore_index too) and NaN where
