@@ -172,6 +172,33 @@ def test_torch_semantics_matches_torch_optim(path):
         assert (r - b).abs().max() > 1e-3
 
 
+@pytest.mark.parametrize("path", ["cpu_op", "triton"])
+def test_boundary_hyperparameters_match_torch_optim_nan_for_nan(path):
+    """Every hyperparameter torch.optim.AdamW accepts, at its boundaries (lr, weight decay, β₁, β₂, eps
+    = 0) and edited every step, over tensors with zero gradients (v = 0, where eps = 0 makes 0/0):
+    torch_semantics=True gives eager torch.optim's values, NaN where it has NaN and nowhere else."""
+    device = "cuda" if path == "triton" and HAS_CUDA else "cpu"
+    step_fn = op_step if path == "cpu_op" else triton_step
+    params = [p for p, *_ in [make_state(TINY_SHAPES, DTYPES["fp32"], device)]][0]
+    ours, theirs = [p.clone() for p in params], [p.clone() for p in params]
+    opt = torch.optim.AdamW(theirs, foreach=False)
+    moments = [[torch.zeros_like(p) for p in params] for _ in range(2)]
+    edits = [dict(lr=0.05, betas=(0.9, 0.99), eps=1e-8, weight_decay=0.5), dict(lr=0.0, betas=(0.0, 0.99), eps=0.0,
+             weight_decay=0.01), dict(lr=0.02, betas=(0.5, 0.0), eps=0.0, weight_decay=0.0),
+             dict(lr=0.0, betas=(0.9, 0.999), eps=1e-3, weight_decay=0.5), dict(lr=0.05, betas=(0.0, 0.0), eps=1e-8,
+             weight_decay=0.0)]
+    for t, kw in enumerate(edits, start=1):
+        grads = [torch.randn_like(p) * (torch.rand_like(p) < 0.5) for p in params]  # half of them 0
+        grads[0].zero_()  # v stays 0 throughout
+        for p, g in zip(theirs, grads):
+            p.grad = g.clone()
+        opt.param_groups[0].update(kw)
+        opt.step()
+        step_fn(ours, grads, *moments, t=t, torch_semantics=True, **kw)
+        for a, b in zip(ours, theirs):
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6, equal_nan=True, msg=lambda m: f"{kw}: {m}")
+
+
 def test_opcheck():
     params, grads, exp_avgs, exp_avg_sqs = make_state([(5, 3), (1,)], (FP32, BF16, BF16, FP32))
     args = (params, grads, exp_avgs, exp_avg_sqs, torch.tensor(0.01), torch.tensor(3.0), 0.9, 0.999, 1e-8, 0.01, False)

@@ -189,13 +189,106 @@ def test_backend_works_without_a_context_manager():
 
 
 def test_compile_step_refuses_bad_arguments():
-    with pytest.raises(ValueError, match="train_step"):
+    with pytest.raises(TypeError, match="train_step"):
         compile_stack.compile_step("not a function")
     with pytest.raises(ValueError, match="memory_budget"):
         compile_stack.compile_step(lambda: None, memory_budget=1.5)
     for share in (1.0, 0.0, 1, "0.5", -0.2):
         with pytest.raises(ValueError, match=r"offload_activations: expected True, False or the share of the host"):
             compile_stack.compile_step(lambda: None, offload_activations=share)
+
+
+@pytest.mark.parametrize("step, options, error, message", [
+    (42, {}, TypeError, r"^train_step: expected a callable \(the user's train-step function\), got 42 \(int\)$"),
+    (nn.Linear(3, 3), {}, TypeError, r"^train_step: expected the train-step function .*, got the model Linear; "
+                                     r"to compile a model's forward alone: torch.compile\(model, backend="),
+    (None, {"passes": "attention"}, TypeError, r"^passes: expected None or a list of pass names, got 'attention'"),
+    (None, {"passes": ["attention", 3]}, TypeError, r"^passes: expected None or a list of pass names"),
+    (None, {"memory_budget": True}, TypeError, r"^memory_budget: expected None or a number in \[0, 1\], got True"),
+    (None, {"memory_budget": "0.5"}, TypeError, r"^memory_budget: expected None or a number"),
+    (None, {"codegen": "no"}, TypeError, r"^codegen: expected True or False, got 'no'"),
+    (None, {"inspect_dir": 3}, TypeError, r"^inspect_dir: expected None or a path, got 3"),
+    (None, {"inspect_dir": "FILE"}, ValueError, r"^inspect_dir: expected a writable directory .*File exists"),
+    (None, {"inspect_dir": "FILE/below"}, ValueError, r"^inspect_dir: expected a writable directory .*FILE/below"),
+])
+def test_compile_step_names_the_bad_argument(step, options, error, message, tmp_path, monkeypatch):
+    """Each misuse is refused in one line naming the argument, before anything is compiled."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "FILE").write_text("")
+    monkeypatch.setattr(torch, "compile", lambda *a, **k: pytest.fail("compiled before refusing"))
+    with pytest.raises(error, match=message):
+        compile_stack.compile_step(step if step is not None else (lambda: None), **options)
+
+
+def test_a_callable_object_is_a_step():
+    """A step written as a callable object: its attributes are searched like a closure's."""
+    torch._dynamo.reset()
+
+    class Trainer:
+        def __init__(self):
+            self.model = nn.Linear(3, 2)
+            self.optimizer = torch.optim.SGD(self.model.parameters(), lr=0.1)
+
+        def __call__(self, x):
+            self.optimizer.zero_grad()
+            loss = self.model(x).square().sum()
+            loss.backward()
+            self.optimizer.step()
+            return loss
+
+    trainer = Trainer()
+    step = compile_stack.compile_step(trainer, codegen=False)
+    assert step.models == [trainer.model] and len(step.optimizer_steps) == 1
+    x = torch.randn(4, 3)
+    eager = copy.deepcopy(trainer)
+    torch.testing.assert_close(step(x), eager(x))
+    torch.testing.assert_close(trainer.model.weight, eager.model.weight)
+
+
+def test_a_model_on_the_meta_device_is_refused():
+    model = nn.Linear(3, 2, device="meta")
+    with pytest.raises(ValueError, match=r"^train_step: expected models with data to compute on, got Linear with "
+                                         r"weight on the meta device .*to_empty"):
+        compile_stack.compile_step(lambda x: model(x).sum())
+
+
+def test_concurrent_calls_are_refused():
+    """The step routes its optimizers' and models' methods for a call: a second call at once is refused."""
+    import threading
+
+    torch._dynamo.reset()
+    inside, release = threading.Event(), threading.Event()
+
+    @torch._dynamo.disable
+    def wait():
+        inside.set()
+        release.wait(60)
+
+    model = nn.Linear(3, 2)
+
+    def train_step(x):
+        y = model(x).sum()
+        wait()
+        return y
+
+    step = compile_stack.compile_step(train_step, codegen=False)
+    x = torch.randn(2, 3)
+    release.set()
+    step(x)  # compiled, in this thread
+    inside.clear()
+    release.clear()
+    errors = []
+    other = threading.Thread(target=lambda: errors.append(step(x)))
+    other.start()
+    assert inside.wait(60)
+    try:
+        with pytest.raises(RuntimeError, match=r"^train_step: the compiled step is already running .*not thread-safe"):
+            step(x)
+    finally:
+        release.set()
+        other.join(60)
+    assert len(errors) == 1 and not isinstance(errors[0], Exception)
+    step(x)  # free again
 
 
 @pytest.mark.parametrize("offload, share", [(False, 0.0), (True, HOST_FRACTION), (0.9, 0.9)])

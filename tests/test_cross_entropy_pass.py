@@ -278,3 +278,40 @@ def test_gpu_bf16_memory_and_accuracy():
     assert rel_err(loss, ref_loss) < 1e-2
     for p, e in zip(model.parameters(), ref_grads):
         assert rel_err(p.grad, e) < 3e-2
+
+
+def library_mean_ignore(logits, targets):
+    return F.cross_entropy(*_flat(logits, targets), ignore_index=7)
+
+
+def where_masked_mean(logits, targets):
+    logits, targets = _flat(logits, targets)
+    keep = targets != 7
+    rows = -(logits.log_softmax(-1).gather(1, torch.where(keep, targets, 0).unsqueeze(1)).squeeze(1))
+    return torch.where(keep, rows, 0.0).sum() / keep.sum()
+
+
+def multiply_masked_mean(logits, targets):
+    logits, targets = _flat(logits, targets)
+    keep = (targets != 7).float()
+    rows = -(logits.log_softmax(-1).gather(1, targets.unsqueeze(1)).squeeze(1))
+    return (rows * keep).sum() / keep.sum()
+
+
+@pytest.mark.parametrize("loss_fn", [library_mean_ignore, where_masked_mean, multiply_masked_mean],
+                         ids=lambda f: f.__name__)
+def test_every_target_ignored_matches_eager_nan_for_nan(loss_fn):
+    """A batch with no kept target: the mean is 0/0 = NaN, and d loss/d sum = 1/0. Eager's gradients
+    are then 0 where the rows are masked by where (F.cross_entropy's ignore_index too) and NaN where
+    masked by a multiply (0·inf); the fused op's must be the same, not NaN everywhere."""
+    vocab, d = 37, 8
+    model = TinyLM(vocab, d, "matmul")
+    ids, targets = _inputs(vocab, 2, 6)
+    targets.fill_(7)
+    eager_loss, eager_grads = _run(model, loss_fn, ids, targets)
+    current().clear()
+    loss, grads = _run(model, loss_fn, ids, targets, PassBackend(passes=["cross_entropy"], codegen=False))
+    assert current().replacements["cross_entropy"] == 1
+    assert eager_loss.isnan() and loss.isnan()
+    for g, e in zip(grads, eager_grads):
+        torch.testing.assert_close(g, e, equal_nan=True)

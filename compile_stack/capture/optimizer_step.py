@@ -38,8 +38,8 @@ def step_counter_sources(optimizer) -> str:
     recompiles anyway) and keep it a graph input elsewhere, and that
     half-symbolic update has no one lr the AdamW pass could prove; baked in,
     it is fused. Dynamo's ``dynamic_sources`` applies to ints only:
-    ``CompiledOptimizerStep`` makes the named floats symbolic, and keeps a
-    hand-written optimizer's floats constants.
+    ``CompiledOptimizerStep`` makes the named floats symbolic, and keeps every
+    other float a constant.
     """
     this = CompiledOptimizerStep.SELF_SOURCE
 
@@ -66,11 +66,15 @@ class CompiledOptimizerStep:
     first compile: ints through ``dynamic_sources``, floats (which that
     setting does not reach) by telling Dynamo's automatic-dynamic bookkeeping
     that they have already changed, as it would itself after a recompile.
-    A hand-written optimizer's floats stay constants even after they change
-    (Dynamo would make them symbols at the second value, and a half-symbolic
-    lr is not fusable, see ``step_counter_sources``): a new lr recompiles the
-    step, fused again, up to Dynamo's recompile limit, past which the step
-    runs eagerly.
+    Every other float stays a constant even after it changes (Dynamo would
+    make it a symbol at its second value): a new value recompiles the step,
+    fused again, up to Dynamo's recompile limit, past which the step runs
+    eagerly. A hand-written optimizer's half-symbolic lr is not fusable (see
+    ``step_counter_sources``). Nor is torch.optim's update with a symbolic
+    weight decay, beta or eps, and unfused it is not eager's: Dynamo traces
+    torch.optim with ``capturable=True``, whose update divides by the step
+    size lr/(1 − β₁ᵗ), so lr = 0 makes 0/0 = NaN wherever v = 0
+    (pytorch#126514), where eager multiplies by lr = 0.
 
     A ``torch.optim.Optimizer`` subclass whose ``step`` assigns attributes
     (``self.t += 1``) runs eagerly: Dynamo (2.13) traces such an optimizer as
@@ -96,8 +100,7 @@ class CompiledOptimizerStep:
 
     def _run(self, *args, **kwargs):
         sources = step_counter_sources(self.optimizer)
-        static = not type(self.optimizer).__module__.startswith("torch.optim.")
-        with (torch.compiler.config.patch(dynamic_sources=sources), self._dynamic_floats(sources, static),
+        with (torch.compiler.config.patch(dynamic_sources=sources), self._dynamic_floats(sources),
               self._single_tensor()):
             return self.compiled(*args, **kwargs)
 
@@ -138,9 +141,9 @@ class CompiledOptimizerStep:
 
     @classmethod
     @contextlib.contextmanager
-    def _dynamic_floats(cls, sources: str, static: bool):
-        """Floats named in ``sources`` symbolic from their first value; with ``static``, the
-        optimizer's other floats constants at every value."""
+    def _dynamic_floats(cls, sources: str):
+        """Floats named in ``sources`` symbolic from their first value; the optimizer's other floats
+        constants at every value."""
         hook = dynamo.automatic_dynamic()
         if hook is None:  # a torch without it: floats as Dynamo decides
             yield
@@ -153,7 +156,7 @@ class CompiledOptimizerStep:
         def process(tx, name, entry, **kwargs):
             if isinstance(entry.scalar, float) and any(p.match(name) for p in patterns):
                 entry = pgo.FrameStateSizeEntry.make_scalar(pgo.auto_dynamic)
-            elif isinstance(entry.scalar, float) and static and own.match(name):
+            elif isinstance(entry.scalar, float) and own.match(name):
                 return entry  # not recorded: never automatic-dynamic, a constant with a guard
             return original(tx, name, entry, **kwargs)
 

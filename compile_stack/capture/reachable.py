@@ -26,7 +26,7 @@ def is_optimizer(obj) -> bool:
 def find_reachable(fn: Callable, wanted: Callable[[object], bool]) -> list:
     """The objects ``fn`` reaches by name (its closure cells, the globals its code names, and a
     bound method's object's attributes) for which ``wanted`` holds, each once."""
-    owner = getattr(fn, "__self__", None)
+    owner = getattr(fn, "__self__", None) if not _is_callable_object(fn) else fn
     fn = inspect_target(fn)
     found = []
     candidates = list(vars(owner).values()) if owner is not None and hasattr(owner, "__dict__") else []
@@ -39,7 +39,8 @@ def find_reachable(fn: Callable, wanted: Callable[[object], bool]) -> list:
 
 
 def inspect_target(fn: Callable) -> Callable:
-    """The plain function behind ``fn`` (a bound method's, a partial's), whose closure we read."""
+    """The plain function behind ``fn`` (a bound method's, a partial's, a callable object's ``__call__``),
+    whose closure we read."""
     while True:
         if isinstance(fn, functools.partial):
             fn = fn.func
@@ -47,8 +48,15 @@ def inspect_target(fn: Callable) -> Callable:
             fn = fn.__func__
         elif hasattr(fn, "__wrapped__"):
             fn = fn.__wrapped__
+        elif _is_callable_object(fn):
+            fn = type(fn).__call__
         else:
             return fn
+
+
+def _is_callable_object(fn) -> bool:
+    """An instance of a class whose ``__call__`` is a Python function (the step as a callable object)."""
+    return not isinstance(fn, type) and isinstance(getattr(type(fn), "__call__", None), types.FunctionType)
 
 
 def _has_contents(cell) -> bool:

@@ -32,7 +32,11 @@ flag reads False; afterwards all are as they were.
 import contextlib
 import dataclasses
 import functools
-from collections.abc import Callable
+import numbers
+import os
+import tempfile
+import threading
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import torch
@@ -87,14 +91,18 @@ class CompiledStep:
     """
 
     def __init__(self, train_step: Callable, options: StepOptions):
-        require(callable(train_step), "train_step", "a callable (the user's train-step function)",
-                type(train_step).__name__)
+        _check_train_step(train_step)
         self.train_step = train_step
         self.options = options
         # Checked now; in force only while the step compiles and runs (caches.cache_dir_in_force).
         self.cache_dir = caches.prepare_cache_dir(options.cache_dir) if options.cache_dir is not None else None
         optimizers = find_reachable(train_step, is_optimizer)
         models = find_reachable(train_step, lambda obj: isinstance(obj, torch.nn.Module))
+        for model in models:
+            meta = next((name for name, t in (*model.named_parameters(), *model.named_buffers()) if t.is_meta), None)
+            require(meta is None, "train_step", "models with data to compute on", f"{type(model).__name__} with "
+                    f"{meta} on the meta device (shapes only; materialize it first: model.to_empty(device=...), "
+                    "then initialize its weights)")
         # The step Dynamo runs: its gradient-accumulation loop bodies, if any, functions of their own.
         self.step = accumulation_loops.outlined(train_step) or train_step
         # The code of the frame torch.compile runs (a bound method's function's); None for a partial
@@ -120,11 +128,21 @@ class CompiledStep:
         # after the forward graph, the last step's gradients alive through it.
         self.model_zero_grads = [torch.compiler.disable(model.zero_grad) for model in models]
         self.called = False
+        # Held for a call: the optimizers' and models' methods are routed while the step runs, so a
+        # second call at once (another thread) would see them half-routed.
+        self.running = threading.Lock()
         functools.update_wrapper(self, train_step)
 
     def __call__(self, *args, **kwargs):
-        with registry.reporting(self.report):
-            return self._call(*args, **kwargs)
+        if not self.running.acquire(blocking=False):
+            raise RuntimeError(f"{getattr(self, '__name__', 'train_step')}: the compiled step is already running "
+                               "(in another thread, or calling itself); it is not thread-safe: call it from one thread "
+                               "at a time")
+        try:
+            with registry.reporting(self.report):
+                return self._call(*args, **kwargs)
+        finally:
+            self.running.release()
 
     def _call(self, *args, **kwargs):
         self.targets_check.before_call()
@@ -182,9 +200,20 @@ def compile_step(train_step: Callable, *, passes: list[str] | None = None, memor
     ``memory_plan.ledger.HOST_FRACTION`` of the host's memory, or this share of it if a float
     in (0, 1) is given; see ``memory_plan/offload.py``).
     """
+    _check_train_step(train_step)
+    expect_type(passes is None or (isinstance(passes, Sequence) and not isinstance(passes, (str, bytes))
+                                   and all(isinstance(p, str) for p in passes)),
+                "passes", "None or a list of pass names", passes)
+    expect_type(memory_budget is None or _is_real(memory_budget), "memory_budget", "None or a number in [0, 1]",
+                memory_budget)
     if memory_budget is not None:
-        require(isinstance(memory_budget, (int, float)) and 0.0 <= memory_budget <= 1.0, "memory_budget",
-                "a fraction in [0, 1]", memory_budget)
+        require(0.0 <= memory_budget <= 1.0, "memory_budget", "a fraction in [0, 1]", memory_budget)
+    for name, value in (("inspect_dir", inspect_dir), ("cache_dir", cache_dir)):
+        expect_type(value is None or isinstance(value, (str, os.PathLike)), name, "None or a path", value)
+    for name, value in (("codegen", codegen), ("blocks", blocks)):
+        expect_type(isinstance(value, bool), name, "True or False", value)
+    if inspect_dir is not None:
+        _make_writable_dir("inspect_dir", Path(inspect_dir), "compiled graphs and code are written there")
     require(isinstance(offload_activations, bool) or (isinstance(offload_activations, float)
                                                       and 0.0 < offload_activations < 1.0), "offload_activations",
             "True, False or the share of the host's memory to use, a float in (0, 1)", offload_activations)
@@ -201,3 +230,32 @@ def compile_step(train_step: Callable, *, passes: list[str] | None = None, memor
         offload_host_share=host_share,
     )
     return CompiledStep(train_step, options)
+
+
+def expect_type(ok: bool, arg: str, expected: str, got: object) -> None:
+    """Raise TypeError('<arg>: expected <expected>, got <got> (<type>)') unless ok: an argument of the wrong kind."""
+    if not ok:
+        raise TypeError(f"{arg}: expected {expected}, got {got!r} ({type(got).__name__})")
+
+
+def _is_real(x) -> bool:
+    return isinstance(x, numbers.Real) and not isinstance(x, bool)
+
+
+def _check_train_step(train_step) -> None:
+    """A callable that is not a model: a model is what the step trains, not the step."""
+    expect_type(callable(train_step), "train_step", "a callable (the user's train-step function)", train_step)
+    if isinstance(train_step, torch.nn.Module):
+        raise TypeError(f"train_step: expected the train-step function (zero-grad, forward, loss, backward(), "
+                        f"optimizer.step()), got the model {type(train_step).__name__}; to compile a model's forward "
+                        "alone: torch.compile(model, backend=compile_stack.Backend())")
+
+
+def _make_writable_dir(arg: str, path: Path, why: str) -> None:
+    """Create ``path`` if needed and write a file in it, so that a bad path fails now, naming ``arg``."""
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryFile(dir=path):
+            pass
+    except OSError as e:
+        raise ValueError(f"{arg}: expected a writable directory ({why}), got {str(path)!r} ({e.strerror})") from e

@@ -13,7 +13,7 @@ How bad input, bad lr/step values and the fused cross-entropy's bad targets are
 refused: ``op``'s docstring.
 
 Semantics (REFERENCE.md §2), step t = ``step`` (already incremented):
-  reference (default):  p ← p − lr·wd·p;  m ← β₁m + (1−β₁)g;  v ← β₂v + (1−β₂)g²;
+  reference (default):  p ← p·(1 − lr·wd);  m ← β₁m + (1−β₁)g;  v ← β₂v + (1−β₂)g²;
                         p ← p − lr·√(1−β₂ᵗ)/(1−β₁ᵗ) · m / (√v + eps)
   torch_semantics=True: as torch.optim.AdamW, eps inside the bias correction:
                         p ← p − lr/(1−β₁ᵗ) · m / (√v/√(1−β₂ᵗ) + eps)

@@ -11,7 +11,7 @@ def torch_step(params, grads, exp_avgs, exp_avg_sqs, lr: float, t: float, beta1,
     bc1, bc2 = 1 - beta1**t, 1 - beta2**t
     for p, g, m, v in zip(params, grads, exp_avgs, exp_avg_sqs):
         p32, g32, m32, v32 = (x.to(torch.float32, copy=True) for x in (p, g, m, v))
-        p32.sub_(lr * weight_decay * p32)
+        p32.mul_(1 - lr * weight_decay)
         m32.mul_(beta1).add_(g32, alpha=1 - beta1)
         v32.mul_(beta2).addcmul_(g32, g32, value=1 - beta2)
         if torch_semantics:

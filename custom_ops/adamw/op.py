@@ -22,7 +22,7 @@ the Python-number hyperparameters (finite, in range). lr and step values:
     context (the process's GPU state is lost) and its message names nothing.
 
 Bad targets of the fused cross-entropy (custom_ops/linear_cross_entropy): that
-op leaves NaN gradients and sets its per-device flag (``targets_flag(device)``)
+op leaves NaN gradients and sets the per-device flag of ``custom_ops.flags``
 for a target outside [0, V); the update must not run on them. The op reads that
 flag on the params' device and, while it is set, skips the whole update (no
 tensor changes):
@@ -46,7 +46,7 @@ from custom_ops.adamw.configs import BLOCK, NUM_WARPS
 from custom_ops.adamw.cpu import torch_step
 from custom_ops.adamw.triton_kernels import TARGETS_MESSAGE, build_plan, launch
 from custom_ops.checks import FLOAT_DTYPES, check_tensor, require, runs_triton
-from custom_ops.linear_cross_entropy.op import _bad_target_flags
+from custom_ops.flags import clear_targets_flag, targets_flag_set
 
 
 def _check_tensors(params, grads, exp_avgs, exp_avg_sqs):
@@ -125,9 +125,8 @@ def _check_aligned(params, grads, exp_avgs, exp_avg_sqs):
 
 def _raise_if_bad_targets(device: torch.device) -> None:
     """The CPU path: the cross-entropy's flag read on the host; raise (and clear it) before any update."""
-    flag = _bad_target_flags.get(device)
-    if flag is not None and flag.item():
-        flag.zero_()
+    if targets_flag_set(device):
+        clear_targets_flag(device)
         raise ValueError(f"{TARGETS_MESSAGE} (fused_adamw_ skipped this update: no tensor changed)")
 
 

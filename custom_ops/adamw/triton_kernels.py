@@ -11,7 +11,7 @@ import torch
 import triton
 import triton.language as tl
 
-from custom_ops.linear_cross_entropy import clear_targets_flag, targets_flag
+from custom_ops.flags import clear_targets_flag, on_targets_reported, targets_flag
 
 # Bits of the per-device error flag the kernel sets when it refuses lr / step, or skips the update
 # because the fused cross-entropy flagged a bad target.
@@ -48,7 +48,7 @@ def _update_block(p_ptr, g_ptr, m_ptr, v_ptr, offs, numel, lr, t, beta1, beta2, 
 
     bc1 = _one_minus_pow(log_beta1, t)
     bc2 = _one_minus_pow(log_beta2, t)
-    p = p - lr * weight_decay * p
+    p = p * (1 - lr * weight_decay)  # as torch.optim: an infinite p stays so at lr·wd = 0
     m = beta1 * m + one_minus_beta1 * g
     v = beta2 * v + one_minus_beta2 * g * g
     if TORCH_SEMANTICS:
@@ -194,10 +194,13 @@ def raise_if_refused(device: torch.device | str | None = None) -> None:
 
 
 def forget_refused_targets() -> None:
-    """Called by linear_cross_entropy.check_targets_flag() once it raised for a bad target, so that
-    the refusal this op recorded for the same target is not raised a second time."""
+    """Run when the cross-entropy's check reports a bad target (``custom_ops.flags``), so that the
+    refusal this op recorded for the same target is not raised a second time."""
     for state in _refusals.values():
         state.forget_targets()
+
+
+on_targets_reported(forget_refused_targets)
 
 
 def launch(plan, lr, step, beta1, beta2, eps, weight_decay, torch_semantics, block, num_warps):

@@ -23,12 +23,12 @@ Ops:
     backward graph. A custom_op with register_autograd cannot do that, since its
     backward only sees the op's inputs and outputs and the gradients are neither.
 
-A target outside [0, V) gives NaN and sets a per-device flag that ``fused_adamw_`` reads:
-``op``'s docstring.
+A target outside [0, V) gives NaN and sets a per-device flag (``custom_ops.flags``) that
+``fused_adamw_`` reads: ``op``'s docstring.
 
 One role a module:
 - ``op``: the ops' registration (CUDA, CPU, fake, composite), argument checks, FLOP formula and
-  autograd, the chunk loop (``fwd_chunked``), the bad-target flags, and ``linear_cross_entropy``;
+  autograd, the chunk loop (``fwd_chunked``), ``check_targets_flag``, and ``linear_cross_entropy``;
 - ``configs``: the chunk size (``CHUNK_BYTES``, ``chunk_tokens``) and the row kernel's tile and warps;
 - ``triton_kernels``: the row kernel and its launcher (``xent_rows_triton_``), which run on any
   CUDA GPU and, under ``TRITON_INTERPRET=1``, on CPU tensors (how the tests check them);
@@ -41,11 +41,9 @@ from custom_ops.linear_cross_entropy.configs import CHUNK_BYTES, chunk_tokens, c
 from custom_ops.linear_cross_entropy.cpu import xent_rows_torch_
 from custom_ops.linear_cross_entropy.triton_kernels import _xent_rows_kernel, xent_rows_triton_
 from custom_ops.linear_cross_entropy.op import (
-    check_targets_flag, clear_targets_flag, fwd_chunked, linear_cross_entropy, linear_cross_entropy_fwd,
-    targets_flag)
+    check_targets_flag, fwd_chunked, linear_cross_entropy, linear_cross_entropy_fwd)
 
 __all__ = [
     "CHUNK_BYTES", "chunk_tokens", "chunk_tokens_for", "xent_rows_torch_", "_xent_rows_kernel",
-    "xent_rows_triton_", "check_targets_flag", "clear_targets_flag", "fwd_chunked", "linear_cross_entropy",
-    "linear_cross_entropy_fwd", "targets_flag",
+    "xent_rows_triton_", "check_targets_flag", "fwd_chunked", "linear_cross_entropy", "linear_cross_entropy_fwd",
 ]

@@ -6,7 +6,7 @@ with the plain-torch one, in fp32.
 
 Bad targets: a target outside [0, V) that is not ``ignore_index`` makes its row's
 loss (and so the returned loss) and its gradient row NaN, and sets a device-side
-int32 flag owned by this module (one per device, ``targets_flag(device)``: 0, or
+int32 flag (one per device, ``custom_ops.flags.targets_flag(device)``: 0, or
 nonzero once a call saw such a target); nothing syncs with the host. While the
 flag is set, ``cstack::fused_adamw_`` (custom_ops/adamw) on that device skips
 its whole update, so NaN gradients never reach the parameters or the moments:
@@ -17,37 +17,16 @@ it raises ValueError if any call since the last check saw such a target, and
 resets the flag. A bad target is reported once: whichever of the two raises
 first clears the record the other keeps of it.
 """
-import sys
-
 import torch
 from torch.utils.flop_counter import register_flop_formula
 
 from custom_ops.checks import FLOAT_DTYPES, check_like, check_tensor, require
+from custom_ops.flags import check_targets_flags, targets_flag
 from custom_ops.linear_cross_entropy.configs import chunk_tokens_for
 from custom_ops.linear_cross_entropy.cpu import xent_rows_torch_
 from custom_ops.linear_cross_entropy.triton_kernels import xent_rows_triton_
 
 REDUCTIONS = ("mean", "sum")
-
-_bad_target_flags: dict[torch.device, torch.Tensor] = {}
-
-
-def targets_flag(device: torch.device | str) -> torch.Tensor:
-    """The device's bad-target flag (int32 [1], made on first use): nonzero once a call saw a
-    target outside [0, V) that is not ignore_index, until a check clears it. fused_adamw_ reads it."""
-    device = torch.device(device)
-    flag = _bad_target_flags.get(device)
-    if flag is None:
-        flag = _bad_target_flags[device] = torch.zeros(1, dtype=torch.int32, device=device)
-    return flag
-
-
-def clear_targets_flag(device: torch.device | str) -> None:
-    """Reset the device's flag (no read, no sync): fused_adamw_ has reported what it recorded."""
-    flag = _bad_target_flags.get(torch.device(device))
-    if flag is not None:
-        flag.zero_()
-
 
 def check_targets_flag() -> None:
     """Raise ValueError if a call since the last check saw a bad target; reset the flags.
@@ -55,14 +34,7 @@ def check_targets_flag() -> None:
     Reads device memory (a host sync): call it where the step syncs anyway. A refusal that
     fused_adamw_ recorded for the same target is cleared too (it is reported here, once).
     """
-    seen = False
-    for flag in _bad_target_flags.values():
-        seen = bool(flag.item()) or seen
-        flag.zero_()
-    if seen:
-        adamw = sys.modules.get("custom_ops.adamw")  # not imported: it imports this package
-        if adamw is not None:
-            adamw.forget_refused_targets()
+    if check_targets_flags():
         raise ValueError(
             "targets: expected values in [0, V) or ignore_index; an out-of-range target "
             "was seen since the last check (its rows' loss and gradient are NaN)"

@@ -27,8 +27,8 @@ finds and proves the update:
    input that an exponent of a power reads is a *step* input; any other is a
    *hyperparameter* input.
 2. Semantics, by identity testing: the chain is evaluated in float64 on
-   probe values (special points that read off β₁, β₂, the decay 1 − lr·wd,
-   the update's scale A and its eps term E; then random and tiny values) at
+   probe values (special points that read off β₁, β₂ (in [0, 1)), the decay
+   1 − lr·wd, the update's scale A and its eps term E (>= 0); then random and tiny values) at
    several values of its scalar inputs (step inputs at several steps,
    hyperparameter inputs scaled independently), and must equal the AdamW
    update with the extracted coefficients to 1e-9 — in the reference form

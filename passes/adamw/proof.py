@@ -58,15 +58,21 @@ def _expected(beta1, beta2, lr, weight_decay, eps, torch_semantics, t):
     return p, m, v
 
 
+# The gradient of the fourth special probe: small enough that √v' there is far below any eps a user
+# sets, so E is read where it dominates the denominator.
+_SMALL_G = 1e-9
+
+
 @functools.cache
 def _probes() -> dict[str, torch.Tensor]:
     """Float64 values per role (p, g, m, v), one probe a column.
 
-    Columns 0–3 read off the coefficients (see ``_read_off``), 4–11 are random
-    and 12–15 tiny, where √v' is near eps and its placement shows.
+    Columns 0–4 read off the coefficients (see ``_read_off``), 5–12 are random
+    and 13–16 tiny, where √v' is near eps and its placement shows.
     """
     gen = torch.Generator().manual_seed(0)
-    special = torch.tensor([[1.0, 0, 0, 0], [0, 0, 1, 0], [0, 0, 1, 1], [0, 1, 0, 0]], dtype=torch.float64)
+    special = torch.tensor([[1.0, 1, 0, 0], [0, 1, 0, 0], [0, _SMALL_G, 0, 0], [0, 0, 1, 0], [0, 0, 0, 1]],
+                           dtype=torch.float64)
     rand = torch.randn(8, 4, generator=gen, dtype=torch.float64)
     rand[:, 3] = torch.rand(8, generator=gen, dtype=torch.float64)
     tiny = torch.randn(4, 4, generator=gen, dtype=torch.float64) * 1e-9
@@ -75,13 +81,24 @@ def _probes() -> dict[str, torch.Tensor]:
 
 
 def _read_off(p_new, m_new, v_new):
-    """(decay, β₁, β₂, A, E) for p' = decay·p − A·m'/(√v' + E), from probe columns 0–3; None if degenerate."""
-    decay, beta1, beta2 = _as_float(p_new[0]), _as_float(m_new[1]), _as_float(v_new[2])
-    u_a, u_b = -_as_float(p_new[1]), -_as_float(p_new[2])  # m' = β₁ in both; v' = 0, then v' = β₂
-    if not (0 < beta1 < 1 and 0 < beta2 < 1 and u_b != 0 and u_a != u_b):
+    """(decay, β₁, β₂, A, E) for p' = decay·p − A·m'/(√v' + E), from probe columns 0–4; None if degenerate.
+
+    Columns 1 and 2 have m = v = 0 and g = 1, then g = _SMALL_G: there m' = (1−β₁)g and √v' = √(1−β₂)·g,
+    so every β in [0, 1) and every E >= 0 (eps = 0 too) leave both updates finite and distinct."""
+    decay = _as_float(p_new[0]) - _as_float(p_new[1])  # p = 1, then 0: the same update
+    beta1, beta2 = _as_float(m_new[3]), _as_float(v_new[4])
+    if not (0 <= beta1 < 1 and 0 <= beta2 < 1):
         return None
-    big_e = u_b * math.sqrt(beta2) / (u_a - u_b)
-    return decay, beta1, beta2, u_b * (math.sqrt(beta2) + big_e) / beta1, big_e
+    s = math.sqrt(1 - beta2)
+    # A / (√v' + E) per unit of m', at g = 1 and at g = _SMALL_G
+    r1, r2 = (-_as_float(p_new[k]) / ((1 - beta1) * g) for k, g in ((1, 1.0), (2, _SMALL_G)))
+    if not (math.isfinite(decay) and all(math.isfinite(x) and x > 0 for x in (r1, r2)) and 1 / r1 - 1 / r2 > 0):
+        return None
+    big_a = (1 - _SMALL_G) * s / (1 / r1 - 1 / r2)  # 1/r = (√v'/m' + E)/A
+    big_e = big_a / r2 - _SMALL_G * s
+    if abs(big_e) <= 1e-6 * _SMALL_G * s:  # eps = 0: what is left is rounding
+        big_e = 0.0
+    return decay, beta1, beta2, big_a, big_e
 
 
 def _close(values) -> bool:
@@ -141,7 +158,8 @@ def _coefficients(readings):
     lrs = [_tidy(lr) for lr in lrs]
     for (_, t, outputs), lr in zip(readings, lrs):
         expected = _expected(beta1, beta2, lr, weight_decay, eps, torch_semantics, t)
-        if not all(torch.allclose(got, exp, rtol=_RTOL, atol=0.0) for got, exp in zip(outputs, expected)):
+        if not all(torch.allclose(got, exp, rtol=_RTOL, atol=0.0, equal_nan=True)
+                   for got, exp in zip(outputs, expected)):
             return None
     return (beta1, beta2, weight_decay, eps, torch_semantics), lrs
 
@@ -263,7 +281,7 @@ def _prove_chain(chain: _Chain, envs, steps: set[Node], flow: _Flow, order) -> N
     outputs = [tuple(env[chain.new[x]] for x in (chain.p, chain.m, chain.v)) for env in envs]
     first = _read_off(*outputs[0])
     if first is None:
-        raise NoMatch("not of the form p' = decay·p − A·m'/(√v' + E) with 0 < β < 1")
+        raise NoMatch("not of the form p' = decay·p − A·m'/(√v' + E) with 0 <= β < 1")
     if chain.scalars & steps:
         chain.step = _exponent(chain, envs[0], flow, order, first[1:3])
         if chain.step is None:

@@ -6,7 +6,7 @@ import operator
 import torch
 
 import custom_ops.linear_cross_entropy  # noqa: F401  (registers torch.ops.cstack.linear_cross_entropy_fwd)
-from passes.cross_entropy.common import NO_IGNORE, _CONVERT, _rank, _shape, aten
+from passes.cross_entropy.common import NO_IGNORE, _CONVERT, _call, _rank, _shape, aten
 from passes.graph_edit import fake_value, insert_call, save_for_backward
 
 
@@ -65,6 +65,13 @@ def _chain_gradient(graph, chain, tangent, emit):
 
 
 def _rewrite(graph, c):
+    """The fused call in place of the loss and its backward matmuls.
+
+    The op's gradients come unscaled (reduction "sum") and are multiplied by g, the user's scalar
+    chain's derivative, which is not finite when a mean's count is 0 (every target ignored). Rows
+    masked by ``where`` (F.cross_entropy's ignore_index included) get exact zeros from where's
+    backward in eager, whatever g is, so the op's zeros are kept as they are, not made 0·inf = NaN;
+    rows masked by a multiply get mask·g in eager, NaN then too, as here."""
     def emit(target, *args, **kwargs):
         return insert_call(graph, target, args, kwargs)
 
@@ -112,9 +119,13 @@ def _rewrite(graph, c):
             g = emit(aten.neg.default, g)
         if scale is not None:
             g = emit(aten.div.Tensor, g, scale)
+    where_masked = bool(loss.masks) and all(_call(at, aten.where.self) for _, at in loss.masks)
     for which, (node, transposed) in c["grads"].items():
         with graph.inserting_before(node):
-            new = emit(aten.mul.Tensor, grad_hidden if which == "hidden" else grad_weight, g)
+            op_grad = grad_hidden if which == "hidden" else grad_weight
+            new = emit(aten.mul.Tensor, op_grad, g)
+            if where_masked:  # masked rows' exact zeros stay zero, as where's backward leaves them
+                new = emit(aten.where.self, emit(aten.eq.Scalar, op_grad, 0), op_grad, new)
             if which == "hidden" and steps:
                 if _rank(steps[-1][0]) != 2:
                     new = emit(aten.view.default, new, _sizes(graph, steps[-1][0]))
