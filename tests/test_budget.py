@@ -3,7 +3,7 @@
 A two-block MLP model is compiled through our backend without code
 generation, with a ledger of a chosen capacity standing in for a device: ample
 memory keeps the budget-1.0 plan; less makes the backend search down and keep
-a plan that fits; too little keeps the least plan and warns. Every plan gives
+a plan that fits; too little is refused with what would fit. Every plan gives
 eager's gradients.
 """
 import gc
@@ -19,7 +19,9 @@ import torch.nn.functional as F
 
 from compile_stack.memory_plan.ledger import SCRATCH_BYTES, MemoryLedger, lazy_optimizer_state_bytes
 from compile_stack.backend import PassBackend
+from compile_stack.capture.step import plan_refusal
 from compile_stack.memory_plan import MemoryPlan
+from compile_stack.memory_plan.fit import MemoryPlanError
 from passes import registry
 
 
@@ -83,11 +85,16 @@ def test_less_memory_searches_down_to_a_plan_that_fits(case):
     assert 0 < budget < 1
 
 
-def test_too_little_memory_keeps_the_least_plan_and_warns(case):
+def test_too_little_memory_is_refused_with_what_would_fit(case):
+    """Not a warning and a run out of memory after the compile: one message, before Inductor runs."""
     full, _ = plan_at(1e15, case)
-    with pytest.warns(UserWarning, match="may run out of memory"):
+    with pytest.raises(Exception) as raised:
         plan_at(SCRATCH_BYTES + full + 1, case)
-    assert any("even at the least budget" in n for n in registry.current().notes)
+    refused = plan_refusal(raised.value)
+    assert isinstance(refused, MemoryPlanError)
+    message = str(refused)
+    assert "does not fit" in message and "even at the least activation memory budget" in message
+    assert "Would fit: " in message and "the tokens per step (a smaller batch or sequence)" in message
 
 
 def test_other_graphs_reservations_and_state_to_come_are_subtracted():

@@ -26,7 +26,8 @@ from pathlib import Path
 
 import torch
 
-from compile_stack.memory_plan import ledger, offload, records, share
+from compile_stack.memory_plan import host, ledger, offload, records, share
+from compile_stack.memory_plan.fit import MemoryPlanError, Shortfall
 from compile_stack.memory_plan.ledger import MemoryLedger
 from compile_stack.memory_plan.share import Candidates, Plan, Share, richer_share
 from compile_stack.memory_plan.sizes import tensor_bytes
@@ -113,11 +114,15 @@ class BudgetedPartitioner(inductor.CustomPartitionerFn):
                     best, best_budget, lo = trial, mid, mid
                 else:
                     hi = mid
-            if self.fits and self.ledger.host_capacity:
-                offloading = self._offloading_plan(plan, best, best_budget, working, user_outputs)
+            if self.ledger.host_capacity:
+                # Where even the least plan does not fit, any plan that fits once some of it is in
+                # host memory is taken, the one recomputing the least.
+                offloading = self._offloading_plan(plan, best, best_budget, working, user_outputs, self.fits)
                 if offloading is not None:
                     parts, best_budget, moved, on_gpu = offloading
-                    best = parts, on_gpu
+                    best, self.fits = (parts, on_gpu), True
+            if not self.fits:
+                raise MemoryPlanError(self._shortfall(best[0], best[1], working, user_outputs))
         if self.richer is None and self.fits and self.uses > 1:
             others = [p for b, p in sorted(trials.items()) if b > best_budget]
             self.candidates = Candidates.of(trials[best_budget], moved, others, working, user_outputs)
@@ -158,15 +163,16 @@ class BudgetedPartitioner(inductor.CustomPartitionerFn):
         self.chosen = share.budget
         return parts
 
-    def _offloading_plan(self, plan, fitting, low: float, working: int, user_outputs: int):
+    def _offloading_plan(self, plan, fitting, low: float, working: int, user_outputs: int, fits: bool = True):
         """Among the plans of budgets OFFLOAD_BUDGETS above ``low``, the one whose backward
         recomputes the fewest matmul FLOPs once enough of its saved values move to the host for
         the rest to fit the GPU (``_moved_to_fit``), within the host's room: (its partition, its
         budget, the values to move, GPU bytes); None if no plan recomputes less than
-        ``fitting``."""
+        ``fitting``. Unless ``fitting`` ``fits``, the plan at ``low`` is a candidate too and any
+        plan that fits is kept over it."""
         kept = offload.saved_names(fitting[0][1])
-        best_flops, found = offload.matmul_flops(fitting[0][1]), None
-        for budget in (b for b in OFFLOAD_BUDGETS if b > low):
+        best_flops, found = offload.matmul_flops(fitting[0][1]) if fits else float("inf"), None
+        for budget in [b for b in OFFLOAD_BUDGETS if b > low] + ([] if fits else [low]):
             parts, on_gpu = plan(budget)
             flops = offload.matmul_flops(parts[1])
             fit = self._moved_to_fit(parts, on_gpu, kept, working, user_outputs) if flops < best_flops else None
@@ -188,6 +194,18 @@ class BudgetedPartitioner(inductor.CustomPartitionerFn):
             moved.append(movable.pop(0))
             on_gpu -= offload.value_bytes(moved[-1:]) * self.uses
         return moved, on_gpu
+
+    def _shortfall(self, parts, saved: int, working: int, user_outputs: int) -> Shortfall:
+        """What the least plan (``parts``, ``saved`` bytes for all uses) lacks, for the refusal."""
+        book = self.ledger
+        movable = offload.value_bytes(offload.movable_values(*parts, user_outputs, book.device)) * self.uses
+        offload_on = book.host_capacity > 0
+        others = sum(b for k, b in book.reserved.items() if k != self.key)
+        return Shortfall(f"the step's graph {self.key!r}" + (f" ({self.uses} call sites)" if self.uses > 1 else ""),
+                         saved, movable, book.available(self.key, working),
+                         book.host_available(self.key) if offload_on else host.host_bytes(None),
+                         book.capacity, book.kept() + others, max(book.working, working) + ledger.SCRATCH_BYTES,
+                         offload_on)
 
     def __reduce__(self):
         # Inductor pickles its config into the cache key; this partitioner's part is its identity.

@@ -19,7 +19,6 @@ tells it what each compile did, so the rules live here alone:
 host memory, at which budget.
 """
 import dataclasses
-import warnings
 
 import torch
 
@@ -59,10 +58,10 @@ class MemoryPlan:
             TRANSFERS.pool.limit(ledger.host_capacity)
 
     @classmethod
-    def for_step(cls, optimizers: list, models: list, host_share: float = 0.0,
+    def for_step(cls, optimizers: list, models: list, host_bytes: int = 0,
                  accumulates: bool = False) -> "MemoryPlan | None":
         """The plan of a step whose parameters live on one GPU (its saved activations may also take
-        ``host_share`` of the host's memory; with ``accumulates``, its gradients live through its
+        ``host_bytes`` of the host's memory; with ``accumulates``, its gradients live through its
         forwards); None on a CPU (the partitioner's own default budget applies there)."""
         params = [p for m in models for p in m.parameters()]
         params += [p for opt in optimizers for g in getattr(opt, "param_groups", ()) for p in g["params"]]
@@ -70,7 +69,7 @@ class MemoryPlan:
         if len(devices) != 1 or next(iter(devices)).type != "cuda":
             return None
         accumulating = list({id(p): p for p in params if isinstance(p, torch.Tensor)}.values()) if accumulates else None
-        return cls(MemoryLedger.for_device(next(iter(devices)), optimizers, host_share, accumulating))
+        return cls(MemoryLedger.for_device(next(iter(devices)), optimizers, host_bytes, accumulating))
 
     @property
     def offloading(self) -> bool:
@@ -150,10 +149,4 @@ class MemoryPlan:
         where = f"{graph.name} saves {saved:.2f} GiB for its backward" + (f" ({uses} call sites)" if uses > 1 else "")
         if partitioner.offloaded:
             where += f" and {partitioner.offloaded / GIB:.2f} GiB in host memory"
-        if partitioner.fits:
-            self._note(f"{where} at activation memory budget {partitioner.chosen:.3g}")
-        else:
-            message = (f"{where} even at the least budget, more than the {partitioner.available / GIB:.1f} GiB "
-                       "estimated free for it: the step may run out of memory")
-            self._note(message)
-            warnings.warn(message, stacklevel=3)
+        self._note(f"{where} at activation memory budget {partitioner.chosen:.3g}")
