@@ -114,7 +114,8 @@ def record(s: dict, args) -> None:
     ours = (f"{s['step_ms']:,.1f} ms, MFU {s['mfu']:.3f}, peak {s['peak_mem_gib']:.2f} GiB"
             f"{'/rank' if world > 1 else ''}, first step {s['compile_s']:.1f} s")
     c = s.get("compare")
-    anchor = f"stock step {c['stock']['step_ms']:,.1f} ms ({c['speedup']:.3f}×)" if c else None
+    anchor = (None if not c else f"stock step not run: {c['not_run']}" if c.get("stock") is None
+              else f"stock step {c['stock']['step_ms']:,.1f} ms ({c['speedup']:.3f}×)")
     append_result(figure, ours, anchor, extra={"summary": s})
 
 

@@ -54,6 +54,7 @@ class MemoryPlan:
         self._unsettled: list[GraphPlan] = []  # compiled since the last settle()
         self._notes: list[str] = []
         self._pinning: str | None = None  # the first call's host-buffer key, while it runs
+        self._summarized = False
         if self.offloading:
             TRANSFERS.pool.limit(ledger.host_capacity)
 
@@ -129,6 +130,22 @@ class MemoryPlan:
                            f"{share.uses * share.saved / GIB:.2f} GiB on the device and "
                            f"{share.uses * share.host / GIB:.2f} GiB in host memory for them")
         self._unsettled.clear()
+        if not self._summarized and book.reserved:
+            self._summarized = True
+            self._note(self.summary())
+
+    def summary(self) -> str:
+        """The plan in GiB per lever: what the device keeps, what the saved activations take on it and
+        in host memory (of the host share offered), and the levers not built yet."""
+        book = self.ledger
+        gib = lambda b: f"{b / GIB:.2f} GiB"  # noqa: E731
+        host = (f"{gib(sum(book.host_reserved.values()))} in host memory (activation offload, of "
+                f"{gib(book.host_capacity)} offered: the host's free memory less the reserve, or the share given)"
+                if self.offloading else "none in host memory (activation offload off)")
+        return (f"plan: of {gib(book.capacity)} usable on the device, {gib(book.kept())} is kept across steps "
+                f"(parameters, optimizer state); saved activations {gib(sum(book.reserved.values()))} on the device, "
+                f"{host}; the rest is recomputed (the budgets above); not applied: gradient release during "
+                "the backward, optimizer state in host memory (not built)")
 
     @property
     def settled(self) -> bool:
