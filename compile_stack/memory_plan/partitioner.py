@@ -16,6 +16,14 @@ enough of its saved values travel through the host instead, within the
 ledger's host memory, and the one recomputing the fewest matmul FLOPs is
 kept; the backward's copies started ahead count in its working set.
 
+A graph with several call sites that does not fit at budget 1.0 leaves what
+one call site's least plan keeps on the device (its input: 0.53 GiB of the
+full preset's block) to the graphs planned after it (the piece after the
+blocks saves the last block's output, and moves the rest); what it leaves
+unused goes to its richer share below. Where even the least plan does not fit
+(offload tried), the step is refused with one message (``fit.py``), before
+Inductor compiles anything of the graph.
+
 A graph with several call sites keeps the plans it tried: once every graph
 of the step has its plan, ``settle_share`` gives what is left over to the
 last call sites as a plan recomputing less (``share.py``).
@@ -85,6 +93,7 @@ class BudgetedPartitioner(inductor.CustomPartitionerFn):
         self.fits = True
         self.offloaded = 0  # bytes of saved activations moved to host memory (all uses)
         self.candidates: Candidates | None = None  # for settle_share, after the partition
+        self.held_back = 0  # bytes left to the graphs planned after this one
 
     def __call__(self, gm: torch.fx.GraphModule, joint_inputs, **kwargs):
         static = kwargs.get("static_lifetime_input_indices") or ()
@@ -106,6 +115,10 @@ class BudgetedPartitioner(inductor.CustomPartitionerFn):
         if best[1] > available:
             lo, hi = LEAST_BUDGET, 1.0
             best, best_budget = plan(lo), lo
+            if self.uses > 1:  # room for the graphs planned after (module docstring)
+                movable = offload.movable_values(*best[0], user_outputs, self.ledger.device)
+                self.held_back = best[1] // self.uses - offload.value_bytes(movable)
+                available = self.available = self._room(working)
             self.fits = best[1] <= available
             for _ in range(SEARCH_STEPS if self.fits else 0):
                 mid = (lo + hi) / 2
@@ -188,12 +201,16 @@ class BudgetedPartitioner(inductor.CustomPartitionerFn):
         movable = sorted(offload.movable_values(*parts, user_outputs, self.ledger.device),
                          key=lambda n: (n.name in kept, -offload.value_bytes([n])))
         moved = []
-        while on_gpu > self.ledger.available(self.key, working + offload.value_bytes(moved)):
+        while on_gpu > self._room(working + offload.value_bytes(moved)):
             if not movable:
                 return None
             moved.append(movable.pop(0))
             on_gpu -= offload.value_bytes(moved[-1:]) * self.uses
         return moved, on_gpu
+
+    def _room(self, working: int) -> int:
+        """What this graph's plan may keep on the device, beside ``working``."""
+        return self.ledger.available(self.key, working) - self.held_back
 
     def _shortfall(self, parts, saved: int, working: int, user_outputs: int) -> Shortfall:
         """What the least plan (``parts``, ``saved`` bytes for all uses) lacks, for the refusal."""
@@ -202,7 +219,7 @@ class BudgetedPartitioner(inductor.CustomPartitionerFn):
         offload_on = book.host_capacity > 0
         others = sum(b for k, b in book.reserved.items() if k != self.key)
         return Shortfall(f"the step's graph {self.key!r}" + (f" ({self.uses} call sites)" if self.uses > 1 else ""),
-                         saved, movable, book.available(self.key, working),
+                         saved, movable, self._room(working),
                          book.host_available(self.key) if offload_on else host.host_bytes(None),
                          book.capacity, book.kept() + others, max(book.working, working) + ledger.SCRATCH_BYTES,
                          offload_on)
