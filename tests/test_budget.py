@@ -173,3 +173,26 @@ def test_the_plan_identity_changes_with_the_code_that_decides_or_records_plans(m
     edited.write_bytes(Path(target.__file__).read_bytes() + b"\n# edited\n")
     monkeypatch.setattr(target, "__file__", str(edited))  # for partitioner, the global plan_code_hash reads
     assert partitioner.plan_code_hash() != before
+
+
+def test_an_allocation_failure_says_what_the_plan_expected():
+    """The estimate wrong after all (a bug to fix): the error carries each graph's planned bytes."""
+    import compile_stack
+
+    class Plan:  # a step's plan as the compiled step asks it
+        def step_starts(self, *args):
+            pass
+
+        step_ended = step_starts
+
+        def notes(self):
+            return ["block saves 3.00 GiB for its backward (4 call sites) at activation memory budget 0.5"]
+
+    def step():
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+
+    compiled = compile_stack.compile_step(step, codegen=False)
+    compiled.memory_plan = Plan()
+    with pytest.raises(torch.OutOfMemoryError, match=r"(?s)Tried to allocate 2.00 GiB.*memory plan expected.*"
+                                                     r"block saves 3.00 GiB"):
+        compiled()

@@ -152,6 +152,12 @@ class CompiledStep:
                 stack.enter_context(routed_attribute(model, "zero_grad", zero_grad))
             try:
                 result = self.compiled(*args, **kwargs)
+            except torch.OutOfMemoryError as e:
+                if self.memory_plan is None or not self.memory_plan.notes():
+                    raise
+                # The plan was wrong (a bug to fix): say what it expected of each graph.
+                raise torch.OutOfMemoryError(f"{str(e).splitlines()[0]}\nthe memory plan expected (a bug in "
+                                             "it): " + "; ".join(self.memory_plan.notes())) from e
             except Exception as e:
                 if (refused := plan_refusal(e)) is not None:
                     raise refused from None  # the plan's one message, not Dynamo's wrapping of it
