@@ -74,3 +74,11 @@ def test_offload_off_and_an_explicit_share(monkeypatch):
     assert host.offload_host_bytes(None) == host.offload_host_bytes(True) == 82 * GIB
     monkeypatch.setenv("WORLD_SIZE", "2")
     assert host.offload_host_bytes(None) == 0  # not built for FSDP2's sharded steps
+
+
+def test_each_rank_plans_its_shard_without_offload_under_torchrun():
+    """Two H100s of one host: each rank holds half the state and half the batch; offload is off by
+    default there (not built for FSDP2) and the plan fits by its budget alone."""
+    per_rank = choose(FULL, Machine(H100, 512 * GIB, 500 * GIB, ranks_per_host=2), world=2)
+    assert per_rank.fits and per_rank.host_share == 0 and per_rank.to_host == 0 and per_rank.budget > 0.1
+    assert choose(FULL, Machine(H100, 512 * GIB, 500 * GIB), offload=False).fits is False  # one rank alone
