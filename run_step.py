@@ -28,6 +28,7 @@ from compile_stack.harness.plan import plan_run
 from compile_stack.harness.profiling import profile_overlap, profile_rank
 from compile_stack.harness.report import is_rank0, pass_summary, print_summary, write_summary
 from compile_stack.harness.user_code import StepCode
+from compile_stack.memory_plan.fit import MemoryPlanError
 from compile_stack.workloads.config import PRESETS
 
 
@@ -114,7 +115,8 @@ def record(s: dict, args) -> None:
     ours = (f"{s['step_ms']:,.1f} ms, MFU {s['mfu']:.3f}, peak {s['peak_mem_gib']:.2f} GiB"
             f"{'/rank' if world > 1 else ''}, first step {s['compile_s']:.1f} s")
     c = s.get("compare")
-    anchor = f"stock step {c['stock']['step_ms']:,.1f} ms ({c['speedup']:.3f}×)" if c else None
+    anchor = (None if not c else f"stock step not run: {c['not_run']}" if c.get("stock") is None
+              else f"stock step {c['stock']['step_ms']:,.1f} ms ({c['speedup']:.3f}×)")
     append_result(figure, ours, anchor, extra={"summary": s})
 
 
@@ -122,8 +124,10 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     try:
         summary = run(args)
+    except MemoryPlanError as e:  # refused as the plan met the step's first graph that cannot fit
+        raise SystemExit(str(e)) from None
     except torch.OutOfMemoryError as e:
-        raise SystemExit(f"out of memory: {str(e).splitlines()[0]}\nTry --memory-budget lower, or a smaller config.")
+        raise SystemExit(f"out of memory: {e}\nTry --memory-budget lower, or a smaller config.")
     print_summary(summary)
     if torch.distributed.is_initialized():
         torch.distributed.destroy_process_group()

@@ -48,7 +48,7 @@ def parse_args(argv=None):
     for name in ("rep", "warmup"):
         if getattr(args, name) < 1:
             p.error(f"--{name}: expected a positive number of milliseconds, got {getattr(args, name)}")
-    if args.offload_activations and args.no_compile:
+    if args.offload_activations not in (None, False) and args.no_compile:
         p.error("--offload-activations: needs the compiled step (not --no-compile)")
     check_offload(args, p)
     return args

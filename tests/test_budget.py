@@ -3,7 +3,7 @@
 A two-block MLP model is compiled through our backend without code
 generation, with a ledger of a chosen capacity standing in for a device: ample
 memory keeps the budget-1.0 plan; less makes the backend search down and keep
-a plan that fits; too little keeps the least plan and warns. Every plan gives
+a plan that fits; too little is refused with what would fit. Every plan gives
 eager's gradients.
 """
 import gc
@@ -19,7 +19,9 @@ import torch.nn.functional as F
 
 from compile_stack.memory_plan.ledger import SCRATCH_BYTES, MemoryLedger, lazy_optimizer_state_bytes
 from compile_stack.backend import PassBackend
+from compile_stack.capture.step import plan_refusal
 from compile_stack.memory_plan import MemoryPlan
+from compile_stack.memory_plan.fit import MemoryPlanError
 from passes import registry
 
 
@@ -83,11 +85,16 @@ def test_less_memory_searches_down_to_a_plan_that_fits(case):
     assert 0 < budget < 1
 
 
-def test_too_little_memory_keeps_the_least_plan_and_warns(case):
+def test_too_little_memory_is_refused_with_what_would_fit(case):
+    """Not a warning and a run out of memory after the compile: one message, before Inductor runs."""
     full, _ = plan_at(1e15, case)
-    with pytest.warns(UserWarning, match="may run out of memory"):
+    with pytest.raises(Exception) as raised:
         plan_at(SCRATCH_BYTES + full + 1, case)
-    assert any("even at the least budget" in n for n in registry.current().notes)
+    refused = plan_refusal(raised.value)
+    assert isinstance(refused, MemoryPlanError)
+    message = str(refused)
+    assert "does not fit" in message and "even at the least activation memory budget" in message
+    assert "Would fit: " in message and "the tokens per step (a smaller batch or sequence)" in message
 
 
 def test_other_graphs_reservations_and_state_to_come_are_subtracted():
@@ -166,3 +173,26 @@ def test_the_plan_identity_changes_with_the_code_that_decides_or_records_plans(m
     edited.write_bytes(Path(target.__file__).read_bytes() + b"\n# edited\n")
     monkeypatch.setattr(target, "__file__", str(edited))  # for partitioner, the global plan_code_hash reads
     assert partitioner.plan_code_hash() != before
+
+
+def test_an_allocation_failure_says_what_the_plan_expected():
+    """The estimate wrong after all (a bug to fix): the error carries each graph's planned bytes."""
+    import compile_stack
+
+    class Plan:  # a step's plan as the compiled step asks it
+        def step_starts(self, *args):
+            pass
+
+        step_ended = step_starts
+
+        def notes(self):
+            return ["block saves 3.00 GiB for its backward (4 call sites) at activation memory budget 0.5"]
+
+    def step():
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+
+    compiled = compile_stack.compile_step(step, codegen=False)
+    compiled.memory_plan = Plan()
+    with pytest.raises(torch.OutOfMemoryError, match=r"(?s)Tried to allocate 2.00 GiB.*memory plan expected.*"
+                                                     r"block saves 3.00 GiB"):
+        compiled()

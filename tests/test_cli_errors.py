@@ -40,8 +40,11 @@ CASES = [
     ("--json /proc/out.json", "--json: expected a writable file path"),
     ("--profile {tmp}/missing/trace.json", "--profile: expected a writable file path in an existing directory"),
     ("--profile {under_file}/trace.json", "--profile: expected a writable file path"),
-    ("--offload-activations", "--offload-activations: needs --compile and the budget chosen per graph"),
-    ("--compile --offload-activations --memory-budget 0.5", "--offload-activations: needs --compile and the budget"),
+    ("--offload-activations", "--offload-activations: needs --compile"),
+    ("--compile --offload-activations --memory-budget 0.5",
+     "--offload-activations: expected False with a fixed --memory-budget"),
+    ("--compile --offload-activations --no-offload-activations", "not allowed with argument"),
+    ("--compile --memory-budget 1.5", "--memory-budget: expected a fraction in [0, 1], got 1.5"),
     ("--compile --offload-activations 1.2", "--offload-activations: expected a share of the host's memory in (0, 1)"),
     ("--compile --offload-activations 0", "--offload-activations: expected a share of the host's memory in (0, 1)"),
 ]

@@ -16,7 +16,6 @@ import compile_stack
 import run_step
 from compile_stack.backend import PassBackend
 from compile_stack.capture import blocks
-from compile_stack.memory_plan.ledger import HOST_FRACTION
 from passes import registry
 from tests import user_models
 from tests.user_corpus import VOCAB, batches, make_train_step, mean_cross_entropy
@@ -194,8 +193,10 @@ def test_compile_step_refuses_bad_arguments():
     with pytest.raises(ValueError, match="memory_budget"):
         compile_stack.compile_step(lambda: None, memory_budget=1.5)
     for share in (1.0, 0.0, 1, "0.5", -0.2):
-        with pytest.raises(ValueError, match=r"offload_activations: expected True, False or the share of the host"):
+        with pytest.raises(ValueError, match=r"offload_activations: expected a share of the host's memory in \(0, 1\)"):
             compile_stack.compile_step(lambda: None, offload_activations=share)
+    with pytest.raises(ValueError, match="offload_activations: expected False with a fixed memory_budget"):
+        compile_stack.compile_step(lambda: None, memory_budget=0.5, offload_activations=True)
 
 
 @pytest.mark.parametrize("step, options, error, message", [

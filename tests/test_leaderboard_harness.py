@@ -37,4 +37,6 @@ def test_bad_options_are_refused_naming_the_option(argv, expected, capsys):
 
 
 def test_without_offload_the_added_line_is_the_plain_call():
-    assert harness.parse_args([]).offload_activations is False
+    """No flag: the plan's default (offload within the host's free memory); the flag that turns it off."""
+    assert harness.parse_args([]).offload_activations is None
+    assert harness.parse_args(["--no-offload-activations"]).offload_activations is False

@@ -17,6 +17,7 @@ from torch.library import opcheck
 from compile_stack.memory_plan import MemoryPlan, offload
 from compile_stack.memory_plan.ledger import SCRATCH_BYTES, MemoryLedger
 from compile_stack.backend import PassBackend
+from compile_stack.capture.step import plan_refusal
 from custom_ops.activation_offload import TRANSFERS, host_buffers, offload_to_host, reload_to_device
 from passes import registry
 from tests.helpers import record_graphs
@@ -114,6 +115,25 @@ def test_a_host_without_room_keeps_the_recomputing_plan(case):
     full = full_plan_bytes(case)
     book, ops = compile_at(case, SCRATCH_BYTES + full / USES + 0.5 * full, host=1)
     assert ops == [] and list(book.host_reserved.values()) == [0]
+
+
+def refused_at(case, capacity: float, host: int):
+    with pytest.raises(Exception) as raised:
+        compile_at(case, capacity, host)
+    refused = plan_refusal(raised.value)
+    assert refused is not None and "does not fit" in str(refused), raised.value
+    return refused.shortfall
+
+
+def test_a_step_that_does_not_fit_even_offloading_is_refused_before_it_runs(case):
+    """Where even the least plan does not fit the GPU, the plans with values in host memory are
+    tried; none fitting (the block's input stays on the GPU), the step is refused, the message
+    saying what the host had."""
+    least = refused_at(case, SCRATCH_BYTES + 1, host=0)
+    assert not least.offload_on and least.saved > least.room
+    offloading = refused_at(case, SCRATCH_BYTES + 1, host=10**9)
+    assert offloading.offload_on and offloading.host == 10**9
+    assert "host memory for offload 0.9 GiB" in offloading.message()
 
 
 def test_a_plan_that_fits_moves_nothing(case):

@@ -17,6 +17,7 @@ import os
 
 import torch
 
+from compile_stack.memory_plan.options import check_memory_budget
 from compile_stack.memory_plan.partitioner import LEAST_BUDGET
 from torch_internals import aot, inductor
 
@@ -60,7 +61,6 @@ def memory_budget(budget: float | None):
     if budget is None:
         yield
         return
-    if not 0.0 <= budget <= 1.0:
-        raise ValueError(f"memory_budget: expected a fraction in [0, 1], got {budget}")
+    check_memory_budget(budget)
     with aot.config_patch(activation_memory_budget=max(budget, LEAST_BUDGET)):
         yield

@@ -51,7 +51,9 @@ from compile_stack.capture.reachable import find_reachable, global_counter_sourc
 from compile_stack.capture.resume_frames import compiled_resumes, ran_eagerly
 from compile_stack.capture.targets import TargetsCheck
 from compile_stack.memory_plan import MemoryPlan
-from compile_stack.memory_plan.ledger import HOST_FRACTION
+from compile_stack.memory_plan.fit import MemoryPlanError
+from compile_stack.memory_plan.host import offload_host_bytes
+from compile_stack.memory_plan.options import check_options
 from custom_ops.checks import require
 from passes import registry
 from passes.registry import note
@@ -69,9 +71,10 @@ class StepOptions:
     blocks: bool = True  # compile repeated blocks once for all of them (blocks.py)
     # Compile each backward with its forward rather than at the first backward().
     backward_now: bool = False
-    # Move what a plan saves beyond the GPU's room to pinned host memory (memory_plan/offload.py), within this
-    # share of the host's memory (0: offload off).
-    offload_host_share: float = 0.0
+    # Move what a plan saves beyond the GPU's room to pinned host memory (memory_plan/offload.py): None or
+    # True within the host's free memory less a reserve (memory_plan/host.py), a float within that share of
+    # the host's memory, False: off.
+    offload_activations: bool | float | None = None
 
 
 def backend_factory(options: StepOptions, inspect: bool = True, plan: MemoryPlan | None = None,
@@ -109,7 +112,7 @@ class CompiledStep:
         # or a callable object, whose frames Dynamo reaches through a call of its own.
         self.step_code = getattr(getattr(self.step, "__func__", self.step), "__code__", None)
         self.bodies = accumulation_loops.body_codes(self.step_code)
-        self.memory_plan = (MemoryPlan.for_step(optimizers, models, options.offload_host_share,
+        self.memory_plan = (MemoryPlan.for_step(optimizers, models, offload_host_bytes(options.offload_activations),
                                                 accumulates=bool(self.bodies))
                             if options.memory_budget is None else None)
         self.report = registry.PassReport()  # what the passes did in this step's graphs
@@ -165,7 +168,18 @@ class CompiledStep:
                 stack.enter_context(opt_step.routed())
             for model, zero_grad in zip(self.models, self.model_zero_grads):
                 stack.enter_context(routed_attribute(model, "zero_grad", zero_grad))
-            result = self.compiled(*args, **kwargs)
+            try:
+                result = self.compiled(*args, **kwargs)
+            except torch.OutOfMemoryError as e:
+                if self.memory_plan is None or not self.memory_plan.notes():
+                    raise
+                # The plan was wrong (a bug to fix): say what it expected of each graph.
+                raise torch.OutOfMemoryError(f"{str(e).splitlines()[0]}\nthe memory plan expected (a bug in "
+                                             "it): " + "; ".join(self.memory_plan.notes())) from e
+            except Exception as e:
+                if (refused := plan_refusal(e)) is not None:
+                    raise refused from None  # the plan's one message, not Dynamo's wrapping of it
+                raise
         if self.memory_plan is not None:
             self.memory_plan.step_ended()  # every graph of the step has its plan now
         if first and self.bodies:
@@ -181,9 +195,21 @@ class CompiledStep:
         return result
 
 
+def plan_refusal(error: BaseException) -> MemoryPlanError | None:
+    """The memory plan's refusal that ``error`` (a compile's failure, as Dynamo wraps it) carries, if any."""
+    seen = set()
+    while error is not None and id(error) not in seen:
+        if isinstance(error, MemoryPlanError):
+            return error
+        seen.add(id(error))
+        error = getattr(error, "inner_exception", None) or error.__cause__ or error.__context__
+    return None
+
+
 def compile_step(train_step: Callable, *, passes: list[str] | None = None, memory_budget: float | None = None,
                  inspect_dir: str | Path | None = None, cache_dir: str | Path | None = None,
-                 codegen: bool = True, blocks: bool = True, offload_activations: bool | float = False) -> CompiledStep:
+                 codegen: bool = True, blocks: bool = True,
+                 offload_activations: bool | float | None = None) -> CompiledStep:
     """Compile the user's own train step with our passes; returns a callable that behaves the same.
 
     ``train_step`` is the function as written: zero-grad, forward, loss,
@@ -194,11 +220,12 @@ def compile_step(train_step: Callable, *, passes: list[str] | None = None, memor
     code are written there), ``cache_dir`` (compile caches), ``codegen``
     (False: run the rewritten aten graphs without Inductor's code generation),
     ``blocks`` (False: inline repeated blocks instead of compiling one for all),
-    ``offload_activations`` (on a GPU without a fixed ``memory_budget``: when the
+    ``offload_activations`` (on one GPU without a fixed ``memory_budget``: when the
     plan that fits the device recomputes values a larger budget would save, keep
-    those in pinned host memory between forward and backward instead, within
-    ``memory_plan.ledger.HOST_FRACTION`` of the host's memory, or this share of it if a float
-    in (0, 1) is given; see ``memory_plan/offload.py``).
+    those in pinned host memory between forward and backward instead; by default
+    (None, or True) within the host's free memory less a reserve
+    (``memory_plan/host.py``), within this share of the host's memory if a float in
+    (0, 1) is given, not at all if False; see ``memory_plan/offload.py``).
     """
     _check_train_step(train_step)
     expect_type(passes is None or (isinstance(passes, Sequence) and not isinstance(passes, (str, bytes))
@@ -206,20 +233,13 @@ def compile_step(train_step: Callable, *, passes: list[str] | None = None, memor
                 "passes", "None or a list of pass names", passes)
     expect_type(memory_budget is None or _is_real(memory_budget), "memory_budget", "None or a number in [0, 1]",
                 memory_budget)
-    if memory_budget is not None:
-        require(0.0 <= memory_budget <= 1.0, "memory_budget", "a fraction in [0, 1]", memory_budget)
     for name, value in (("inspect_dir", inspect_dir), ("cache_dir", cache_dir)):
         expect_type(value is None or isinstance(value, (str, os.PathLike)), name, "None or a path", value)
     for name, value in (("codegen", codegen), ("blocks", blocks)):
         expect_type(isinstance(value, bool), name, "True or False", value)
     if inspect_dir is not None:
         _make_writable_dir("inspect_dir", Path(inspect_dir), "compiled graphs and code are written there")
-    require(isinstance(offload_activations, bool) or (isinstance(offload_activations, float)
-                                                      and 0.0 < offload_activations < 1.0), "offload_activations",
-            "True, False or the share of the host's memory to use, a float in (0, 1)", offload_activations)
-    require(not (offload_activations and memory_budget is not None), "offload_activations",
-            "False with a fixed memory_budget (offload extends the plan chosen per graph)", offload_activations)
-    host_share = HOST_FRACTION if offload_activations is True else float(offload_activations)
+    check_options(memory_budget, offload_activations)
     options = StepOptions(
         passes=list(passes) if passes is not None else None,
         inspect_dir=Path(inspect_dir) if inspect_dir is not None else None,
@@ -227,7 +247,7 @@ def compile_step(train_step: Callable, *, passes: list[str] | None = None, memor
         cache_dir=Path(cache_dir) if cache_dir is not None else None,
         codegen=codegen,
         blocks=blocks,
-        offload_host_share=host_share,
+        offload_activations=offload_activations,
     )
     return CompiledStep(train_step, options)
 

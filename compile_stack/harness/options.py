@@ -13,7 +13,9 @@ from pathlib import Path
 import torch
 
 from compile_stack import caches, distributed
-from compile_stack.memory_plan.ledger import HOST_FRACTION
+from compile_stack.memory_plan.host import MIN_RESERVE_BYTES, RESERVE_FRACTION
+from compile_stack.memory_plan.options import check_options
+from compile_stack.memory_plan.sizes import GIB
 from compile_stack.workloads.config import PRESETS, ModelConfig
 from passes import registry
 
@@ -32,24 +34,32 @@ class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
 
 def add_offload_option(p: argparse.ArgumentParser) -> None:
     """``--offload-activations [SHARE]``: run_step.py's and benchmarks/leaderboard_harness.py's."""
-    p.add_argument("--offload-activations", nargs="?", const=True, default=False, type=float, metavar="SHARE",
-                   help="on one GPU: keep what a larger memory budget would save, beyond the GPU's room, in pinned "
-                        "host memory between forward and backward instead of recomputing it, within SHARE of the "
-                        f"host's memory (default {HOST_FRACTION})")
+    group = p.add_mutually_exclusive_group()
+    group.add_argument("--offload-activations", nargs="?", const=True, default=None, type=float, metavar="SHARE",
+                       help="on one GPU: keep what a larger memory budget would save, beyond the GPU's room, in "
+                            "pinned host memory between forward and backward instead of recomputing it, within "
+                            "SHARE of the host's memory (default, and without SHARE: on, within the host's free "
+                            f"memory less a reserve of max({MIN_RESERVE_BYTES // GIB} GiB, 1/{1 / RESERVE_FRACTION:.0f} "
+                            "of it))")
+    group.add_argument("--no-offload-activations", dest="offload_activations", action="store_false",
+                       help="recompute what does not fit the GPU instead of offloading it")
 
 
-def check_offload(args, p: argparse.ArgumentParser) -> None:
-    """Refuse a share outside (0, 1) and offload under torchrun."""
-    if not isinstance(args.offload_activations, bool) and not 0.0 < args.offload_activations < 1.0:
-        p.error(f"--offload-activations: expected a share of the host's memory in (0, 1), got {args.offload_activations}")
-    if args.offload_activations and int(os.environ.get("WORLD_SIZE", "1")) > 1:
+def check_offload(args, p: argparse.ArgumentParser, budget=None) -> None:
+    """Refuse a share outside (0, 1), offload with a fixed budget (memory_plan/options.py) and offload
+    asked for under torchrun."""
+    try:
+        check_options(budget, args.offload_activations, "--memory-budget", "--offload-activations")
+    except ValueError as e:
+        p.error(str(e))
+    if args.offload_activations not in (None, False) and int(os.environ.get("WORLD_SIZE", "1")) > 1:
         p.error("--offload-activations: one GPU only (not built for FSDP2 under torchrun)")
 
 
-def offload_label(share: bool | float) -> str:
+def offload_label(share: bool | float | None) -> str:
     """What a figure's name adds for an offload setting (BENCHMARKS.md's table keys on it)."""
-    return ("" if share is False else ", activation offload" if share is True
-            else f", activation offload ({share:g} of host memory)")
+    return ("" if share is None else ", no activation offload" if share is False
+            else ", activation offload" if share is True else f", activation offload ({share:g} of host memory)")
 
 
 def check_args(args, p: argparse.ArgumentParser) -> None:
@@ -66,11 +76,9 @@ def check_args(args, p: argparse.ArgumentParser) -> None:
         p.error("--steps: expected at least 1 timed step")
     if args.inspect and not args.compile:
         p.error("--inspect: needs --compile (there are no compiled graphs to inspect otherwise)")
-    if args.memory_budget is not None and not 0.0 <= args.memory_budget <= 1.0:
-        p.error(f"--memory-budget: expected a fraction in [0, 1], got {args.memory_budget}")
-    if args.offload_activations and (not args.compile or args.memory_budget is not None):
-        p.error("--offload-activations: needs --compile and the budget chosen per graph (no --memory-budget)")
-    check_offload(args, p)
+    if args.offload_activations not in (None, False) and not args.compile:
+        p.error("--offload-activations: needs --compile")
+    check_offload(args, p, args.memory_budget)
     for option in ("model", "loss", "optimizer"):
         spec = getattr(args, option)
         if spec is not None and (spec.count(":") != 1 or not all(spec.split(":"))):

@@ -6,7 +6,7 @@ import platform
 import torch
 
 from compile_stack import distributed
-from compile_stack.memory_plan import sizes
+from compile_stack.memory_plan import host, levers, sizes
 from compile_stack.memory_plan.estimate import estimate_peak_bytes
 from compile_stack.workloads.config import PRESET_ORDER, ModelConfig
 from compile_stack.harness.options import config_of
@@ -60,16 +60,27 @@ def plan_run(args) -> Plan:
     reference_fsdp = world > 1 and args.model is None and args.loss is None and args.optimizer is None
     budget = choose_budget(args, cfg, device, device_bytes, world, reference_fsdp, dtype.itemsize)
     auto = args.compile and budget is None and device.type == "cuda"
-    # With the budget chosen per graph, the estimate at the least budget says whether anything fits.
-    estimate = estimate_peak_bytes(cfg, args.compile, 0.0 if auto else 1.0 if budget is None else budget,
-                                          dtype.itemsize, world)
+    # With the budget chosen per graph, the levers (memory_plan/levers.py) say whether anything fits.
+    levers = choose_levers(args, cfg, device_bytes, world, dtype.itemsize) if auto else None
+    estimate = (levers.peak if levers is not None else
+                estimate_peak_bytes(cfg, args.compile, 1.0 if budget is None else budget, dtype.itemsize, world))
     plan = Plan(rank, world, device, dtype, preset, cfg, budget, estimate, reference_fsdp)
     log(f"device: {device} ({plan.device_name}); torch {torch.__version__}")
     log(f"preset: {preset} ({why}); config: {cfg}")
     log(f"mode: {'compiled' if args.compile else 'eager'}; dtype {args.dtype}; memory budget: "
         f"{'chosen per graph to fit the GPU (the pass notes say which)' if auto else budget}")
+    if levers is not None:
+        log(f"estimated {levers.describe()}")
+        if not levers.fits and not args.force:
+            raise SystemExit(f"{levers.describe()} (or --force to try anyway)")
     if not args.force:
         refuse_what_cannot_fit(args, plan, device_bytes)
+
+
+def choose_levers(args, cfg: ModelConfig, device_bytes: float, world: int, nbytes: int) -> levers.Levers:
+    """The plan the estimate expects of a compiled step on this GPU and host (memory_plan/levers.py)."""
+    machine = levers.Machine(device_bytes, *host.host_memory(), host.local_ranks())
+    return levers.choose(cfg, machine, args.offload_activations, nbytes, world)
     return plan
 
 
@@ -102,7 +113,9 @@ def choose_config(args, device: torch.device, device_bytes: float, world: int,
         return "tiny", config_of(args, "tiny"), "no GPU: tiny runs on the CPU"
     for name in PRESET_ORDER:
         cfg = config_of(args, name)
-        estimate = estimate_peak_bytes(cfg, args.compile, 0.0, nbytes, world)
+        estimate = (choose_levers(args, cfg, device_bytes, world, nbytes).peak
+                    if args.compile and args.memory_budget is None else
+                    estimate_peak_bytes(cfg, args.compile, 0.0, nbytes, world))
         if sizes.fits(estimate, device_bytes):
             return name, cfg, (f"largest preset whose estimate ({estimate / sizes.GIB:.0f} GiB) fits the GPU's "
                                f"{device_bytes / sizes.GIB:.0f} GiB")

@@ -38,6 +38,9 @@ def print_summary(s: dict) -> None:
         log(f"{'check':<22}{'ok' if s['check']['ok'] else 'FAILED'} {s['check']}")
     if "compare" in s:
         c = s["compare"]
+        if c.get("stock") is None:
+            log(f"{'stock':<22}not run: {c['not_run']}")
+            return
         log(f"{'stock step_ms':<22}{c['stock']['step_ms']} (ours {s['step_ms']}: {c['speedup']}x)")
         log(f"{'stock peak_mem_gib':<22}{c['stock']['peak_mem_gib']} (ours {s['peak_mem_gib']})")
 

@@ -83,14 +83,22 @@ def estimate_peak_bytes(
 ) -> float:
     """Peak bytes on one device; with ``world`` data-parallel ranks the state is sharded
     across them and each holds batch/world sequences."""
-    state = 4 * cfg.params * nbytes / world
-    tokens = cfg.tokens / world
-    everything = _token_bytes_per_layer(cfg, nbytes)[1]
     if not compiled:
+        state = 4 * cfg.params * nbytes / world
+        tokens = cfg.tokens / world
+        everything = _token_bytes_per_layer(cfg, nbytes)[1]
         scores = cfg.batch / world * cfg.heads * cfg.seq**2 * nbytes
         logits = 3 * tokens * cfg.vocab * nbytes
         return state + cfg.layers * (2 * scores + cfg.seq**2 + tokens * everything) + 3 * scores + logits
-    working = tokens * everything + CE_CHUNK_BYTES
+    beside, at_end = compiled_fixed_bytes(cfg, nbytes, world)
+    return max(beside + saved_bytes(cfg, memory_budget, nbytes, world), at_end)
+
+
+def compiled_fixed_bytes(cfg: DecoderShape, nbytes: int = 2, world: int = 1) -> tuple[float, float]:
+    """A compiled step's bytes besides its saved activations at the backward's start, and its
+    state and working set at the end of the backward (with every gradient)."""
+    tokens = cfg.tokens / world
+    working = tokens * _token_bytes_per_layer(cfg, nbytes)[1] + CE_CHUNK_BYTES
     if world > 1:
         block_params = (cfg.params - 2 * cfg.vocab * cfg.d_model) / cfg.layers
         working += (2 * cfg.vocab * cfg.d_model + 2 * block_params) * nbytes
@@ -99,9 +107,12 @@ def estimate_peak_bytes(
     # block's gradient exists (the LM head's does: the fused loss computes it in the forward).
     params_and_moments = 3 * cfg.params * nbytes / world
     head_grads = (cfg.vocab + tokens) * cfg.d_model * nbytes
-    saved = cfg.layers * tokens * saved_bytes_per_token(cfg, memory_budget, nbytes)
-    backward_start = params_and_moments + saved + head_grads + working
-    return max(backward_start, state + working)
+    return params_and_moments + head_grads + working, 4 * cfg.params * nbytes / world + working
+
+
+def saved_bytes(cfg: DecoderShape, memory_budget: float, nbytes: int = 2, world: int = 1) -> float:
+    """Bytes every compiled layer saves for its backward at ``memory_budget``, on one rank."""
+    return cfg.layers * cfg.tokens / world * saved_bytes_per_token(cfg, memory_budget, nbytes)
 
 
 def saved_bytes_per_token(cfg: DecoderShape, memory_budget: float, nbytes: int = 2) -> float:

@@ -25,11 +25,6 @@ from custom_ops.linear_cross_entropy import CHUNK_BYTES as CE_CHUNK_BYTES
 
 # Kernels' scratch beside the saved activations: the fused loss's logits chunk and its head gradient.
 SCRATCH_BYTES = 2 * CE_CHUNK_BYTES
-# The share of the host's memory an offloading step may pin unless told otherwise
-# (``compile_step(offload_activations=share)``): the rest is the process's, its compile workers'
-# and the machine's. Of the physical memory, not of what is free now, so the plan (and the
-# compile caches keyed by it) is the same from run to run.
-HOST_FRACTION = 0.75
 
 
 class MemoryLedger:
@@ -58,10 +53,10 @@ class MemoryLedger:
         self.working = 0  # the largest working set of any graph planned so far
 
     @classmethod
-    def for_device(cls, device: torch.device, optimizers: list, host_share: float = 0.0,
+    def for_device(cls, device: torch.device, optimizers: list, host_bytes: int = 0,
                    accumulating: list | None = None) -> "MemoryLedger":
-        """The ledger of a step on ``device``; saved activations may also take ``host_share`` of the
-        host's memory (0: offload off). A step that accumulates gradients over micro-batches has
+        """The ledger of a step on ``device``; saved activations may also take ``host_bytes`` of the
+        host's memory (0: offload off, ``host.py`` chooses it). A step that accumulates gradients over micro-batches has
         the gradients of the parameters ``accumulating`` alive through every forward after its
         first, so they count as state to come. It holds the optimizers and parameters weakly:
         Dynamo's caches keep our backends, and through them this ledger, alive after the step
@@ -73,9 +68,8 @@ class MemoryLedger:
             return (lazy_optimizer_state_bytes([opt for ref in refs if (opt := ref()) is not None])
                     + gradients_to_come_bytes([p for ref in params if (p := ref()) is not None]))
 
-        host = int(host_share * sizes.device_bytes(torch.device("cpu")))
         return cls(sizes.USABLE_FRACTION * sizes.device_bytes(device), lambda: torch.cuda.memory_allocated(device),
-                   future_state, host, device)
+                   future_state, host_bytes, device)
 
     def at_step_start(self) -> None:
         self.resident = self._allocated() + self.future_state()

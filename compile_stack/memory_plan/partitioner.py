@@ -16,6 +16,14 @@ enough of its saved values travel through the host instead, within the
 ledger's host memory, and the one recomputing the fewest matmul FLOPs is
 kept; the backward's copies started ahead count in its working set.
 
+A graph with several call sites that does not fit at budget 1.0 leaves what
+one call site's least plan keeps on the device (its input: 0.53 GiB of the
+full preset's block) to the graphs planned after it (the piece after the
+blocks saves the last block's output, and moves the rest); what it leaves
+unused goes to its richer share below. Where even the least plan does not fit
+(offload tried), the step is refused with one message (``fit.py``), before
+Inductor compiles anything of the graph.
+
 A graph with several call sites keeps the plans it tried: once every graph
 of the step has its plan, ``settle_share`` gives what is left over to the
 last call sites as a plan recomputing less (``share.py``).
@@ -26,7 +34,8 @@ from pathlib import Path
 
 import torch
 
-from compile_stack.memory_plan import ledger, offload, records, share
+from compile_stack.memory_plan import host, ledger, offload, records, share
+from compile_stack.memory_plan.fit import MemoryPlanError, Shortfall
 from compile_stack.memory_plan.ledger import MemoryLedger
 from compile_stack.memory_plan.share import Candidates, Plan, Share, richer_share
 from compile_stack.memory_plan.sizes import tensor_bytes
@@ -84,6 +93,7 @@ class BudgetedPartitioner(inductor.CustomPartitionerFn):
         self.fits = True
         self.offloaded = 0  # bytes of saved activations moved to host memory (all uses)
         self.candidates: Candidates | None = None  # for settle_share, after the partition
+        self.held_back = 0  # bytes left to the graphs planned after this one
 
     def __call__(self, gm: torch.fx.GraphModule, joint_inputs, **kwargs):
         static = kwargs.get("static_lifetime_input_indices") or ()
@@ -105,6 +115,10 @@ class BudgetedPartitioner(inductor.CustomPartitionerFn):
         if best[1] > available:
             lo, hi = LEAST_BUDGET, 1.0
             best, best_budget = plan(lo), lo
+            if self.uses > 1:  # room for the graphs planned after (module docstring)
+                movable = offload.movable_values(*best[0], user_outputs, self.ledger.device)
+                self.held_back = best[1] // self.uses - offload.value_bytes(movable)
+                available = self.available = self._room(working)
             self.fits = best[1] <= available
             for _ in range(SEARCH_STEPS if self.fits else 0):
                 mid = (lo + hi) / 2
@@ -113,11 +127,15 @@ class BudgetedPartitioner(inductor.CustomPartitionerFn):
                     best, best_budget, lo = trial, mid, mid
                 else:
                     hi = mid
-            if self.fits and self.ledger.host_capacity:
-                offloading = self._offloading_plan(plan, best, best_budget, working, user_outputs)
+            if self.ledger.host_capacity:
+                # Where even the least plan does not fit, any plan that fits once some of it is in
+                # host memory is taken, the one recomputing the least.
+                offloading = self._offloading_plan(plan, best, best_budget, working, user_outputs, self.fits)
                 if offloading is not None:
                     parts, best_budget, moved, on_gpu = offloading
-                    best = parts, on_gpu
+                    best, self.fits = (parts, on_gpu), True
+            if not self.fits:
+                raise MemoryPlanError(self._shortfall(best[0], best[1], working, user_outputs))
         if self.richer is None and self.fits and self.uses > 1:
             others = [p for b, p in sorted(trials.items()) if b > best_budget]
             self.candidates = Candidates.of(trials[best_budget], moved, others, working, user_outputs)
@@ -158,15 +176,16 @@ class BudgetedPartitioner(inductor.CustomPartitionerFn):
         self.chosen = share.budget
         return parts
 
-    def _offloading_plan(self, plan, fitting, low: float, working: int, user_outputs: int):
+    def _offloading_plan(self, plan, fitting, low: float, working: int, user_outputs: int, fits: bool = True):
         """Among the plans of budgets OFFLOAD_BUDGETS above ``low``, the one whose backward
         recomputes the fewest matmul FLOPs once enough of its saved values move to the host for
         the rest to fit the GPU (``_moved_to_fit``), within the host's room: (its partition, its
         budget, the values to move, GPU bytes); None if no plan recomputes less than
-        ``fitting``."""
+        ``fitting``. Unless ``fitting`` ``fits``, the plan at ``low`` is a candidate too and any
+        plan that fits is kept over it."""
         kept = offload.saved_names(fitting[0][1])
-        best_flops, found = offload.matmul_flops(fitting[0][1]), None
-        for budget in (b for b in OFFLOAD_BUDGETS if b > low):
+        best_flops, found = offload.matmul_flops(fitting[0][1]) if fits else float("inf"), None
+        for budget in [b for b in OFFLOAD_BUDGETS if b > low] + ([] if fits else [low]):
             parts, on_gpu = plan(budget)
             flops = offload.matmul_flops(parts[1])
             fit = self._moved_to_fit(parts, on_gpu, kept, working, user_outputs) if flops < best_flops else None
@@ -182,12 +201,28 @@ class BudgetedPartitioner(inductor.CustomPartitionerFn):
         movable = sorted(offload.movable_values(*parts, user_outputs, self.ledger.device),
                          key=lambda n: (n.name in kept, -offload.value_bytes([n])))
         moved = []
-        while on_gpu > self.ledger.available(self.key, working + offload.value_bytes(moved)):
+        while on_gpu > self._room(working + offload.value_bytes(moved)):
             if not movable:
                 return None
             moved.append(movable.pop(0))
             on_gpu -= offload.value_bytes(moved[-1:]) * self.uses
         return moved, on_gpu
+
+    def _room(self, working: int) -> int:
+        """What this graph's plan may keep on the device, beside ``working``."""
+        return self.ledger.available(self.key, working) - self.held_back
+
+    def _shortfall(self, parts, saved: int, working: int, user_outputs: int) -> Shortfall:
+        """What the least plan (``parts``, ``saved`` bytes for all uses) lacks, for the refusal."""
+        book = self.ledger
+        movable = offload.value_bytes(offload.movable_values(*parts, user_outputs, book.device)) * self.uses
+        offload_on = book.host_capacity > 0
+        others = sum(b for k, b in book.reserved.items() if k != self.key)
+        return Shortfall(f"the step's graph {self.key!r}" + (f" ({self.uses} call sites)" if self.uses > 1 else ""),
+                         saved, movable, self._room(working),
+                         book.host_available(self.key) if offload_on else host.host_bytes(None),
+                         book.capacity, book.kept() + others, max(book.working, working) + ledger.SCRATCH_BYTES,
+                         offload_on)
 
     def __reduce__(self):
         # Inductor pickles its config into the cache key; this partitioner's part is its identity.

@@ -19,7 +19,6 @@ tells it what each compile did, so the rules live here alone:
 host memory, at which budget.
 """
 import dataclasses
-import warnings
 
 import torch
 
@@ -55,14 +54,15 @@ class MemoryPlan:
         self._unsettled: list[GraphPlan] = []  # compiled since the last settle()
         self._notes: list[str] = []
         self._pinning: str | None = None  # the first call's host-buffer key, while it runs
+        self._summarized = False
         if self.offloading:
             TRANSFERS.pool.limit(ledger.host_capacity)
 
     @classmethod
-    def for_step(cls, optimizers: list, models: list, host_share: float = 0.0,
+    def for_step(cls, optimizers: list, models: list, host_bytes: int = 0,
                  accumulates: bool = False) -> "MemoryPlan | None":
         """The plan of a step whose parameters live on one GPU (its saved activations may also take
-        ``host_share`` of the host's memory; with ``accumulates``, its gradients live through its
+        ``host_bytes`` of the host's memory; with ``accumulates``, its gradients live through its
         forwards); None on a CPU (the partitioner's own default budget applies there)."""
         params = [p for m in models for p in m.parameters()]
         params += [p for opt in optimizers for g in getattr(opt, "param_groups", ()) for p in g["params"]]
@@ -70,7 +70,7 @@ class MemoryPlan:
         if len(devices) != 1 or next(iter(devices)).type != "cuda":
             return None
         accumulating = list({id(p): p for p in params if isinstance(p, torch.Tensor)}.values()) if accumulates else None
-        return cls(MemoryLedger.for_device(next(iter(devices)), optimizers, host_share, accumulating))
+        return cls(MemoryLedger.for_device(next(iter(devices)), optimizers, host_bytes, accumulating))
 
     @property
     def offloading(self) -> bool:
@@ -130,6 +130,22 @@ class MemoryPlan:
                            f"{share.uses * share.saved / GIB:.2f} GiB on the device and "
                            f"{share.uses * share.host / GIB:.2f} GiB in host memory for them")
         self._unsettled.clear()
+        if not self._summarized and book.reserved:
+            self._summarized = True
+            self._note(self.summary())
+
+    def summary(self) -> str:
+        """The plan in GiB per lever: what the device keeps, what the saved activations take on it and
+        in host memory (of the host share offered), and the levers not built yet."""
+        book = self.ledger
+        gib = lambda b: f"{b / GIB:.2f} GiB"  # noqa: E731
+        host = (f"{gib(sum(book.host_reserved.values()))} in host memory (activation offload, of "
+                f"{gib(book.host_capacity)} offered: the host's free memory less the reserve, or the share given)"
+                if self.offloading else "none in host memory (activation offload off)")
+        return (f"plan: of {gib(book.capacity)} usable on the device, {gib(book.kept())} is kept across steps "
+                f"(parameters, optimizer state); saved activations {gib(sum(book.reserved.values()))} on the device, "
+                f"{host}; the rest is recomputed (the budgets above); not applied: gradient release during "
+                "the backward, optimizer state in host memory (not built)")
 
     @property
     def settled(self) -> bool:
@@ -150,10 +166,4 @@ class MemoryPlan:
         where = f"{graph.name} saves {saved:.2f} GiB for its backward" + (f" ({uses} call sites)" if uses > 1 else "")
         if partitioner.offloaded:
             where += f" and {partitioner.offloaded / GIB:.2f} GiB in host memory"
-        if partitioner.fits:
-            self._note(f"{where} at activation memory budget {partitioner.chosen:.3g}")
-        else:
-            message = (f"{where} even at the least budget, more than the {partitioner.available / GIB:.1f} GiB "
-                       "estimated free for it: the step may run out of memory")
-            self._note(message)
-            warnings.warn(message, stacklevel=3)
+        self._note(f"{where} at activation memory budget {partitioner.chosen:.3g}")
