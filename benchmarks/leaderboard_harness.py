@@ -44,6 +44,8 @@ def parse_args(argv=None):
     p.add_argument("--preset", choices=sorted(PRESETS), help="model size (default: full on a GPU, tiny on a CPU)")
     p.add_argument("--layers", type=int, help="override the preset's layer count")
     p.add_argument("--seq", type=int, help="override the preset's sequence length")
+    p.add_argument("--batch", type=int, help="override the preset's (global) batch; --batch 1 on one GPU is one "
+                   "rank's share of the full preset on two")
     p.add_argument("--model", metavar="MODULE:FACTORY", help="a model factory (run_step.py's --model); "
                    "default: the reference model")
     p.add_argument("--rep", type=int, default=30_000, help="do_bench's rep, ms")
@@ -52,6 +54,8 @@ def parse_args(argv=None):
     add_offload_option(p)
     p.add_argument("--json", type=Path, metavar="FILE", help="write the figures to FILE")
     args = p.parse_args(argv)
+    if args.batch is not None and args.batch < 1:
+        p.error(f"--batch: expected a positive number of sequences, got {args.batch}")
     for name in ("rep", "warmup"):
         if getattr(args, name) < 1:
             p.error(f"--{name}: expected a positive number of milliseconds, got {getattr(args, name)}")
@@ -81,7 +85,7 @@ def main(argv=None) -> dict:
     else:
         device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     cfg = PRESETS[args.preset or ("full" if device.type == "cuda" else "tiny")]
-    cfg = cfg.with_overrides(layers=args.layers, seq=args.seq)
+    cfg = cfg.with_overrides(layers=args.layers, seq=args.seq, batch=args.batch)
     dtype = torch.bfloat16
     torch.manual_seed(0)
     if args.model:
@@ -139,7 +143,7 @@ def main(argv=None) -> dict:
     if args.json and rank == 0:
         args.json.write_text(json.dumps(result, indent=2))
     if device.type == "cuda" and not args.no_compile and rank == 0:
-        over = [f"{n} {v}" for n, v in (("layers", args.layers), ("seq", args.seq)) if v]
+        over = [f"{n} {v}" for n, v in (("layers", args.layers), ("seq", args.seq), ("batch", args.batch)) if v]
         size = ", ".join([args.preset or "full", *over])
         append_result(f"leaderboard harness + `compile_step`, {size} step, {world} × {torch.cuda.get_device_name()}, "
                       f"{args.model or 'reference model'}{offload_label(args.offload_activations)}",
