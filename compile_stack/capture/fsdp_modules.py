@@ -15,22 +15,20 @@ forward hooks are hidden from Dynamo and run by us:
 - the root's post-forward after the last block's (it only registers FSDP2's
   backward bookkeeping; the root does not reshard after forward).
 
-Only private entry points of ``FSDPState`` that torch 2.11 and 2.13 share are used.
+FSDP2's private entry points come from ``torch_internals.fsdp``.
 """
 import contextlib
 
 import torch
-from torch._guards import detect_fake_mode
-from torch.distributed.fsdp import FSDPModule
-from torch.utils._pytree import tree_leaves
+
+from torch_internals import fsdp
+from torch_internals.fx import detect_fake_mode, tree_leaves
 
 _HOOK_DICTS = ("_forward_pre_hooks", "_forward_pre_hooks_with_kwargs", "_forward_hooks",
                "_forward_hooks_with_kwargs", "_forward_hooks_always_called")
 
 
-def state_of(module: torch.nn.Module):
-    """The FSDP2 state of a module ``fully_shard`` was applied to, else None."""
-    return module._get_fsdp_state() if isinstance(module, FSDPModule) else None
+state_of = fsdp.state_of
 
 
 def only_fsdp_hooks(module: torch.nn.Module) -> bool:
@@ -66,7 +64,7 @@ def unsharded_fakes(block: torch.nn.Module, args) -> dict[str, torch.Tensor]:
     """Fake tensors for ``block``'s parameters as its forward sees them, unsharded (full shape, the
     mixed-precision policy's dtype), and its buffers, in the fake mode of ``args``."""
     mode = detect_fake_mode(tree_leaves(args))
-    dtype = state_of(block)._mp_policy.param_dtype
+    dtype = fsdp.param_dtype(state_of(block))
     with mode:
         fakes = {n: torch.empty(p.shape, dtype=dtype or p.dtype, device=p.device, requires_grad=p.requires_grad)
                  for n, p in block.named_parameters()}
@@ -80,11 +78,11 @@ def with_hooks(compiled, last: bool):
 
     def run(block, *args, **kwargs):
         state = state_of(block)
-        args, kwargs = state._pre_forward(block, args, kwargs)
-        output = state._post_forward(block, args, compiled(block, *args, **kwargs))
-        root = state._state_ctx.iter_forward_root
+        args, kwargs = fsdp.pre_forward(state, block, args, kwargs)
+        output = fsdp.post_forward(state, block, args, compiled(block, *args, **kwargs))
+        root = fsdp.forward_root(state)
         if last and root is not None and root is not state:
-            output = root._post_forward(root._modules[0], (), output)
+            output = fsdp.root_post_forward(root, output)
         return output
 
     return run
@@ -93,7 +91,7 @@ def with_hooks(compiled, last: bool):
 class ShardedRoot:
     """A model ``fully_shard`` was applied to last (the root), run by a compiled step."""
 
-    def __init__(self, model: FSDPModule):
+    def __init__(self, model: torch.nn.Module):
         self.model = model
         self.state = state_of(model)
         # Every parameter sharded, as the optimizer holds them (before the first pre-forward unshards the root's).
@@ -101,7 +99,7 @@ class ShardedRoot:
 
     def before_step(self) -> None:
         """The root's pre-forward: its group all-gathered for the step's forward, traced or not."""
-        self.state._pre_forward(self.model, (), {})
+        fsdp.pre_forward(self.state, self.model, (), {})
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """``model.zero_grad()`` while the root is unsharded: the sharded gradients too."""
