@@ -20,13 +20,12 @@ _DEPTH = 4  # optimizer attribute -> list of groups -> group -> its list of para
 
 
 class LocalShards:
-    """Swaps ``optimizer``'s DTensors for local aliases while ``swapped()`` is active."""
+    """Swaps ``optimizer``'s DTensors for local aliases (``swap_in``) and back (``swap_out``)."""
 
     def __init__(self, optimizer):
         self.optimizer = optimizer
         self.aliases: dict[int, tuple[DTensor, torch.Tensor]] = {}  # id(DTensor) -> (it, its local alias)
         self.origins: dict[int, DTensor] = {}  # id(alias) -> its DTensor
-        self.params: list[DTensor] | None = None  # the DTensors given gradients, found at the first swap
 
     def _alias(self, t: DTensor) -> torch.Tensor:
         known = self.aliases.get(id(t))
@@ -45,7 +44,7 @@ class LocalShards:
         if isinstance(obj, list):
             for i, x in enumerate(obj):
                 if isinstance(x, torch.Tensor):
-                    obj[i] = fn(x, None)
+                    obj[i] = fn(x)
                 else:
                     self._walk(x, fn, key_fn, depth + 1)
         elif isinstance(obj, dict):
@@ -55,12 +54,9 @@ class LocalShards:
                 obj.update((key_fn(k) if isinstance(k, torch.Tensor) else k, v) for k, v in items)
             for k, v in obj.items():
                 if isinstance(v, torch.Tensor):
-                    obj[k] = fn(v, k)
+                    obj[k] = fn(v)
                 elif isinstance(v, (list, dict)):
                     self._walk(v, fn, key_fn, depth + 1)
-
-    def _to_local(self, t, _key):
-        return self._alias(t) if isinstance(t, DTensor) else t
 
     def _roots(self):
         return [v for v in vars(self.optimizer).values() if isinstance(v, (list, dict))]
@@ -68,7 +64,7 @@ class LocalShards:
     def holds_dtensors(self) -> bool:
         found = []
         for root in self._roots():
-            self._walk(root, lambda t, _k: found.append(t) or t, lambda k: found.append(k) or k)
+            self._walk(root, lambda t: found.append(t) or t, lambda k: found.append(k) or k)
         return any(isinstance(t, DTensor) for t in found)
 
     @torch.compiler.disable
@@ -83,10 +79,12 @@ class LocalShards:
                 return self._alias(k)
             return k
 
-        def value(t, _key):
-            if isinstance(t, DTensor) and isinstance(t, torch.nn.Parameter):
+        def value(t):
+            if not isinstance(t, DTensor):
+                return t
+            if isinstance(t, torch.nn.Parameter):
                 params.append(t)
-            return self._to_local(t, _key)
+            return self._alias(t)
 
         with torch.no_grad():
             for root in self._roots():
@@ -98,15 +96,16 @@ class LocalShards:
     @torch.compiler.disable
     def swap_out(self, params: list[DTensor]) -> None:
         """The optimizer holds its DTensors again; new state of a parameter's local shape wrapped as one."""
+
+        def back(t):
+            return self.origins.get(id(t), t)
+
         with torch.no_grad():
             for root in self._roots():
-                self._walk(root, self._back, lambda k: self.origins.get(id(k), k))
+                self._walk(root, back, back)
             for p in params:
                 self._alias(p).grad = None
             self._wrap_new_state()
-
-    def _back(self, t, _key):
-        return self.origins.get(id(t), t)
 
     def _wrap_new_state(self) -> None:
         """State made in the step under a parameter's key, of its local shape: a DTensor like the parameter."""
