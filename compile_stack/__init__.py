@@ -7,8 +7,8 @@
 loss, backward, optimizer step) and returns a callable that behaves the same.
 ``Backend`` is the ``torch.compile`` backend it uses, for compiling any other
 function with our passes: ``torch.compile(fn, backend=compile_stack.Backend())``.
-``shard_blocks(model)`` shards a model with FSDP2 by its repeated blocks, for a
-step run under ``torchrun``.
+``shard(model)`` shards a model with FSDP2 by its repeated blocks, for a step
+run under ``torchrun`` (a model the user sharded with ``fully_shard`` is found as it is).
 
 Importing the package turns on the caching allocator's ``expandable_segments``
 unless ``PYTORCH_CUDA_ALLOC_CONF`` is already set: the memory plan fills the
@@ -28,7 +28,7 @@ os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
 
 from compile_stack.backend import PassBackend as Backend
 from compile_stack.capture.step import CompiledStep, compile_step
-from compile_stack.distributed import shard_blocks
+from compile_stack.distributed import shard
 from passes import registry
 
 
@@ -42,4 +42,4 @@ def pass_report(step: CompiledStep | Backend | None = None) -> dict:
     return {"replacements": report.as_dict(registry.pass_names()), "notes": list(report.notes)}
 
 
-__all__ = ["Backend", "CompiledStep", "compile_step", "pass_report", "shard_blocks"]
+__all__ = ["Backend", "CompiledStep", "compile_step", "pass_report", "shard"]

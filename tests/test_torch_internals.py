@@ -158,3 +158,19 @@ def test_fx_force_recompile_of_a_lazy_module():
     fx.force_recompile(lazy)
     assert "x + 1" in lazy.code or "add" in lazy.code
     assert torch.equal(lazy(torch.zeros(2)), torch.ones(2))
+
+
+def test_fsdp_state_entry_points():
+    """The FSDPState methods and attributes torch_internals.fsdp calls (no process group needed to see them)."""
+    from torch.distributed.fsdp import FSDPModule
+    from torch.distributed.fsdp._fully_shard._fsdp_state import FSDPState
+
+    from torch_internals import fsdp
+
+    assert callable(FSDPModule._get_fsdp_state)
+    for name in ("_pre_forward", "_post_forward"):
+        assert callable(getattr(FSDPState, name)), name
+    state = FSDPState()
+    # _mp_policy and _modules are set by fully_shard: tests/test_distributed.py runs them.
+    assert fsdp.forward_root(state) is None
+    assert fsdp.state_of(torch.nn.Linear(2, 2)) is None

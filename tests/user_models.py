@@ -99,3 +99,110 @@ class MyAdamW(torch.optim.Optimizer):
                 step_size = group["lr"] * math.sqrt(1 - beta2**t) / (1 - beta1**t)
                 p.data -= step_size * m / (v.sqrt() + group["eps"])
                 p.data -= group["lr"] * group["weight_decay"] * p.data
+
+
+# ---- an einops-style model, as another course writes it: RMSNorm, SwiGLU, RoPE, no biases ----
+
+from einops import einsum, rearrange  # noqa: E402
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, d_model, eps=1e-5):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(d_model))
+
+    def forward(self, x):
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps) * self.weight
+
+
+class EinopsAttention(nn.Module):
+    def __init__(self, d_model, num_heads, context_length, theta=10000.0):
+        super().__init__()
+        self.num_heads = num_heads
+        self.wq, self.wk, self.wv, self.wo = (nn.Parameter(torch.randn(d_model, d_model) / math.sqrt(d_model))
+                                              for _ in range(4))
+        d_head = d_model // num_heads
+        freqs = theta ** (-torch.arange(0, d_head, 2).float() / d_head)
+        angles = torch.outer(torch.arange(context_length).float(), freqs)
+        self.register_buffer("cos", angles.cos(), persistent=False)
+        self.register_buffer("sin", angles.sin(), persistent=False)
+
+    def rope(self, x):
+        seq = x.shape[-2]
+        x1, x2 = x[..., 0::2], x[..., 1::2]
+        cos, sin = self.cos[:seq], self.sin[:seq]
+        return rearrange(torch.stack((x1 * cos - x2 * sin, x1 * sin + x2 * cos), dim=-1), "... d two -> ... (d two)")
+
+    def forward(self, x):
+        q, k, v = (rearrange(einsum(x, w, "b s d, e d -> b s e"), "b s (h k) -> b h s k", h=self.num_heads)
+                   for w in (self.wq, self.wk, self.wv))
+        q, k = self.rope(q), self.rope(k)
+        scores = einsum(q, k, "b h s k, b h t k -> b h s t") / math.sqrt(q.shape[-1])
+        seq = x.shape[1]
+        causal = torch.triu(torch.ones(seq, seq, dtype=torch.bool, device=x.device), diagonal=1)
+        weights = torch.softmax(scores.masked_fill(causal, float("-inf")), dim=-1)
+        out = rearrange(einsum(weights, v, "b h s t, b h t k -> b h s k"), "b h s k -> b s (h k)")
+        return einsum(out, self.wo, "b s e, d e -> b s d")
+
+
+class SwiGLU(nn.Module):
+    def __init__(self, d_model, d_ff):
+        super().__init__()
+        self.w1 = nn.Parameter(torch.randn(d_ff, d_model) / math.sqrt(d_model))
+        self.w3 = nn.Parameter(torch.randn(d_ff, d_model) / math.sqrt(d_model))
+        self.w2 = nn.Parameter(torch.randn(d_model, d_ff) / math.sqrt(d_ff))
+
+    def forward(self, x):
+        gate = einsum(x, self.w1, "... d, f d -> ... f")
+        return einsum(F.silu(gate) * einsum(x, self.w3, "... d, f d -> ... f"), self.w2, "... f, d f -> ... d")
+
+
+class EinopsBlock(nn.Module):
+    def __init__(self, d_model, num_heads, d_ff, context_length):
+        super().__init__()
+        self.norm1, self.norm2 = RMSNorm(d_model), RMSNorm(d_model)
+        self.attn = EinopsAttention(d_model, num_heads, context_length)
+        self.ffn = SwiGLU(d_model, d_ff)
+
+    def forward(self, x):
+        x = x + self.attn(self.norm1(x))
+        return x + self.ffn(self.norm2(x))
+
+
+class EinopsLM(nn.Module):
+    def __init__(self, vocab_size, context_length, d_model, num_layers, num_heads, d_ff):
+        super().__init__()
+        self.token_embeddings = nn.Parameter(torch.randn(vocab_size, d_model) * 0.02)
+        self.blocks = nn.ModuleList(EinopsBlock(d_model, num_heads, d_ff, context_length) for _ in range(num_layers))
+        self.final_norm = RMSNorm(d_model)
+        self.output = nn.Parameter(torch.randn(vocab_size, d_model) / math.sqrt(d_model))
+
+    def forward(self, token_ids):
+        x = self.token_embeddings[token_ids]
+        for block in self.blocks:
+            x = block(x)
+        return einsum(self.final_norm(x), self.output, "b s d, v d -> b s v")
+
+
+def build_einops_lm(vocab_size, context_length, d_model, num_layers, num_heads, d_ff):
+    return EinopsLM(vocab_size, context_length, d_model, num_layers, num_heads, d_ff)
+
+
+def einops_loss(logits, targets):
+    """Mean token cross-entropy over the flattened tokens."""
+    return F.cross_entropy(rearrange(logits, "b s v -> (b s) v"), rearrange(targets, "b s -> (b s)"))
+
+
+def build_sharded_gpt(vocab_size, context_length, d_model, num_layers, num_heads, d_ff):
+    """``build_gpt`` sharded as the FSDP2 tutorial does it, when a process group is up: ``fully_shard``
+    on each block, then on the root (the user's own sharding; compile_step finds it)."""
+    import torch.distributed as dist
+    from torch.distributed.fsdp import fully_shard
+
+    model = build_gpt(vocab_size, context_length, d_model, num_layers, num_heads, d_ff)
+    if dist.is_initialized():
+        for layer in model.layers:
+            fully_shard(layer)
+        fully_shard(model)
+    return model

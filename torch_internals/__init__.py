@@ -11,6 +11,7 @@ keeps it so).
 - ``aot``: AOTAutograd's backend factory, partitioner and config.
 - ``inductor``: Inductor's compile entry, config, graph passes, caches and code output.
 - ``fx``: fake tensors, pytree, FX graph-module internals, op overloads and the C bindings.
+- ``fsdp``: FSDP2 state's pre- and post-forward, run around compiled pieces.
 
 This package imports only torch.
 """

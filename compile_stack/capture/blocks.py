@@ -32,6 +32,7 @@ import torch
 from torch.nn.utils.stateless import _reparametrize_module
 
 from compile_stack.backend.segments import call_block, own_code, register_router
+from compile_stack.capture import fsdp_modules
 from compile_stack.capture.block_fakes import FakeOutput, call_key
 
 
@@ -76,6 +77,9 @@ class BlockCalls:
         self.key = register_router(self)
         self.forwards = [self._forward(i) for i in range(len(blocks))]
         self.tensors: list[tuple] = []  # each block's parameters and buffers while routed
+        # Sharded by FSDP2: the hooks run around each compiled forward (fsdp_modules.py), and the
+        # parameters are no inputs of the call (sharded until the block's pre-forward gathers them).
+        self.sharded = fsdp_modules.state_of(blocks[0]) is not None
         self.fake_outputs: dict[tuple, FakeOutput | None] = {}  # by block_fakes.call_key
 
     def fake_forward(self, block: torch.nn.Module, args: tuple, kwargs: dict, tensors: tuple):
@@ -85,14 +89,16 @@ class BlockCalls:
         known = self.fake_outputs.get(key) if key is not None else None
         if known is not None:
             return known.make((args, kwargs, tensors))
-        with _reparametrize_module(block, dict(zip(self.tensor_names, tensors))):
+        replaced = fsdp_modules.unsharded_fakes(block, args) if self.sharded else dict(zip(self.tensor_names, tensors))
+        with _reparametrize_module(block, replaced):
             output = _class_forward(block, *args, **kwargs)
         if key is not None and key not in self.fake_outputs:
             self.fake_outputs[key] = FakeOutput.of(output, (args, kwargs, tensors))
         return output
 
     def compiled_for(self, index: int) -> Callable:
-        return self.compiled_richer if self.backend.sites.takes_richer(index) else self.compiled
+        compiled = self.compiled_richer if self.backend.sites.takes_richer(index) else self.compiled
+        return fsdp_modules.with_hooks(compiled, index == len(self.blocks) - 1) if self.sharded else compiled
 
     @staticmethod
     def _named_tensors(block):
@@ -111,7 +117,7 @@ class BlockCalls:
         """``model``'s blocks, or None where they cannot be routed (none; hooks; differing tensors);
         ``make_backend(number of blocks)`` makes the blocks' backend."""
         blocks = block_list(model)
-        if not blocks or not all(_plain(b) for b in blocks):
+        if not blocks or not all(_plain(b) or fsdp_modules.only_fsdp_hooks(b) for b in blocks):
             return None
         names = [[n for n, _ in cls._named_tensors(b)] for b in blocks]
         if any(n != names[0] for n in names):
@@ -124,11 +130,12 @@ class BlockCalls:
 
         Each block's parameters and buffers are listed here, outside Dynamo: traced, walking a
         block's ``named_parameters()`` generators cost ~4 s per trace of a 34-block step."""
-        self.tensors = [tuple(t for _, t in self._named_tensors(b)) for b in self.blocks]
+        self.tensors = [() if self.sharded else tuple(t for _, t in self._named_tensors(b)) for b in self.blocks]
         for block, forward in zip(self.blocks, self.forwards):
             block.forward = forward
         try:
-            yield
+            with fsdp_modules.hooks_hidden(self.blocks if self.sharded else []):
+                yield
         finally:
             self.tensors = []
             for block in self.blocks:

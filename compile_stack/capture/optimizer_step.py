@@ -12,6 +12,7 @@ import re
 import torch
 
 from compile_stack.backend import PassBackend
+from compile_stack.capture.local_shards import LocalShards
 from compile_stack.capture.reachable import inspect_target
 from passes.registry import note
 from torch_internals import dynamo
@@ -95,10 +96,26 @@ class CompiledOptimizerStep:
         # Eagerly means wholly outside Dynamo: a non-recursive disable would let the train step's compile trace it.
         self.compiled = (torch.compiler.disable(self.original) if stores
                          else torch.compile(self.original, backend=backend))
+        self.local_shards = LocalShards(optimizer)  # FSDP2's DTensors: stepped on their local shards
+        self.sharded = None  # whether it holds DTensors, found at the first step
         self.call = torch.compiler.disable(self._run, recursive=False)
         self.zero_grad = torch.compiler.disable(optimizer.zero_grad)
 
     def _run(self, *args, **kwargs):
+        if self.sharded is None:
+            self.sharded = self.local_shards.holds_dtensors()
+            if self.sharded:
+                note("optimizer", f"{type(self.optimizer).__name__} steps the local shards of FSDP2's sharded "
+                                  "parameters (plain tensors aliasing them), its state kept as DTensors")
+        if not self.sharded:
+            return self._run_compiled(*args, **kwargs)
+        params = self.local_shards.swap_in()
+        try:
+            return self._run_compiled(*args, **kwargs)
+        finally:
+            self.local_shards.swap_out(params)
+
+    def _run_compiled(self, *args, **kwargs):
         sources = step_counter_sources(self.optimizer)
         with (torch.compiler.config.patch(dynamic_sources=sources), self._dynamic_floats(sources),
               self._single_tensor()):

@@ -46,6 +46,7 @@ from compile_stack.backend import PassBackend
 from compile_stack.backend.inspection import InspectionWriter
 from compile_stack.capture import accumulation_loops
 from compile_stack.capture.blocks import BlockCalls
+from compile_stack.capture.fsdp_modules import ShardedRoot, state_of
 from compile_stack.capture.optimizer_step import CompiledOptimizerStep, routed_attribute
 from compile_stack.capture.reachable import find_reachable, global_counter_sources, is_optimizer
 from compile_stack.capture.resume_frames import compiled_resumes, ran_eagerly
@@ -127,9 +128,14 @@ class CompiledStep:
         self.counter_sources = global_counter_sources(self.step)
         self.targets_check = TargetsCheck()
         self.models = models
+        blocks = {id(b) for calls in self.block_calls for b in calls.blocks}
+        # Models sharded by FSDP2 (``fully_shard`` on the blocks, then the root): their hooks run
+        # around the compiled pieces, outside Dynamo's trace (fsdp_modules.py).
+        self.sharded_roots = {id(m): ShardedRoot(m) for m in models if state_of(m) is not None and id(m) not in blocks}
         # A model's zero-grad, like an optimizer's, runs eagerly: traced, its grad = None would land
         # after the forward graph, the last step's gradients alive through it.
-        self.model_zero_grads = [torch.compiler.disable(model.zero_grad) for model in models]
+        self.model_zero_grads = [torch.compiler.disable(self.sharded_roots[id(m)].zero_grad if id(m) in self.sharded_roots
+                                                        else m.zero_grad) for m in models]
         self.called = False
         # Held for a call: the optimizers' and models' methods are routed while the step runs, so a
         # second call at once (another thread) would see them half-routed.
@@ -168,6 +174,9 @@ class CompiledStep:
                 stack.enter_context(opt_step.routed())
             for model, zero_grad in zip(self.models, self.model_zero_grads):
                 stack.enter_context(routed_attribute(model, "zero_grad", zero_grad))
+            for root in self.sharded_roots.values():
+                root.before_step()
+                stack.enter_context(root.routed())
             try:
                 result = self.compiled(*args, **kwargs)
             except torch.OutOfMemoryError as e:

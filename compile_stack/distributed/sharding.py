@@ -37,9 +37,12 @@ def mean_over_ranks(loss: torch.Tensor) -> torch.Tensor:
     return total / dist.get_world_size()
 
 
-def shard_blocks(model: nn.Module, reshard_after_forward: bool = True) -> nn.Module:
+def shard(model: nn.Module, reshard_after_forward: bool = True) -> nn.Module:
     """Shard any model in place with FSDP2: a group per repeated block (``blocks.block_list``),
-    then the root; return it."""
+    then the root; return it. ``compile_step`` then runs the hooks around its compiled pieces
+    (``capture/fsdp_modules.py``), as for a model the user sharded with ``fully_shard`` themselves.
+    Build the optimizer afterwards, over the sharded parameters."""
+    require(isinstance(model, nn.Module), "model", "a torch.nn.Module", type(model).__name__)
     return shard_groups(block_list(model), model, reshard_after_forward)
 
 

@@ -10,9 +10,6 @@ from compile_stack import caches, distributed
 from compile_stack.harness.measure import FirstCallTimer
 from compile_stack.harness.options import passes_of
 from compile_stack.harness.report import log
-from compile_stack.capture.step import StepOptions
-from compile_stack.workloads.reference import AdamW
-from compile_stack.workloads.reference_fsdp import DistributedTrainStep
 from passes import registry
 
 
@@ -52,15 +49,10 @@ def build_step(args, plan, code) -> Built:
     passes = passes_of(args)
     if plan.world > 1:
         batch = tuple(distributed.shard_batch(t, plan.rank, plan.world) for t in batch)
-    if plan.reference_fsdp:
-        options = StepOptions(passes=passes, inspect_dir=args.inspect, memory_budget=plan.budget) if args.compile else None
-        step = DistributedTrainStep(model, AdamW, options)
-    else:
-        if plan.world > 1:
-            distributed.shard_blocks(model)
-        step = code.train_step(model)
-        if args.compile:
-            step = compile_stack.compile_step(step, passes=passes, inspect_dir=args.inspect, memory_budget=plan.budget,
-                                              blocks=not args.whole_graph,
-                                              offload_activations=args.offload_activations)
+    if plan.world > 1:
+        compile_stack.shard(model)  # FSDP2 by the model's repeated blocks, then the root
+    step = code.train_step(model)
+    if args.compile:
+        step = compile_stack.compile_step(step, passes=passes, inspect_dir=args.inspect, memory_budget=plan.budget,
+                                          blocks=not args.whole_graph, offload_activations=args.offload_activations)
     return Built(FirstCallTimer(step), model, batch, eager_twin)

@@ -51,7 +51,7 @@ def compare_stock(args, plan, code, batch, ours: dict) -> dict:
         log("[stock] building your step compiled by stock torch.compile (none of our passes)...")
         model = code.build_model(plan.cfg, plan.device, plan.dtype)
         if plan.world > 1:
-            distributed.shard_blocks(model)
+            distributed.shard(model)
         step = torch.compile(code.train_step(model))
     try:
         stock = measure(FirstCallTimer(step), batch, args, plan, "stock")

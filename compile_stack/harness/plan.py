@@ -25,7 +25,6 @@ class Plan:
     cfg: ModelConfig
     budget: float | None  # None: compile_step fits each graph's plan to the GPU, or the partitioner's default
     estimate: float  # the memory model's peak, bytes
-    reference_fsdp: bool  # the reference model under torchrun: distributed.DistributedTrainStep steps it
 
     @property
     def device_name(self) -> str:
@@ -57,14 +56,13 @@ def plan_run(args) -> Plan:
     device_bytes = sizes.device_bytes(device)
     dtype = getattr(torch, args.dtype)
     preset, cfg, why = choose_config(args, device, device_bytes, world, dtype.itemsize)
-    reference_fsdp = world > 1 and args.model is None and args.loss is None and args.optimizer is None
-    budget = choose_budget(args, cfg, device, device_bytes, world, reference_fsdp, dtype.itemsize)
+    budget = choose_budget(args, cfg, device, device_bytes, world, dtype.itemsize)
     auto = args.compile and budget is None and device.type == "cuda"
     # With the budget chosen per graph, the levers (memory_plan/levers.py) say whether anything fits.
     levers = choose_levers(args, cfg, device_bytes, world, dtype.itemsize) if auto else None
     estimate = (levers.peak if levers is not None else
                 estimate_peak_bytes(cfg, args.compile, 1.0 if budget is None else budget, dtype.itemsize, world))
-    plan = Plan(rank, world, device, dtype, preset, cfg, budget, estimate, reference_fsdp)
+    plan = Plan(rank, world, device, dtype, preset, cfg, budget, estimate)
     log(f"device: {device} ({plan.device_name}); torch {torch.__version__}")
     log(f"preset: {preset} ({why}); config: {cfg}")
     log(f"mode: {'compiled' if args.compile else 'eager'}; dtype {args.dtype}; memory budget: "
@@ -75,13 +73,13 @@ def plan_run(args) -> Plan:
             raise SystemExit(f"{levers.describe()} (or --force to try anyway)")
     if not args.force:
         refuse_what_cannot_fit(args, plan, device_bytes)
+    return plan
 
 
 def choose_levers(args, cfg: ModelConfig, device_bytes: float, world: int, nbytes: int) -> levers.Levers:
     """The plan the estimate expects of a compiled step on this GPU and host (memory_plan/levers.py)."""
     machine = levers.Machine(device_bytes, *host.host_memory(), host.local_ranks())
     return levers.choose(cfg, machine, args.offload_activations, nbytes, world)
-    return plan
 
 
 def refuse_what_cannot_fit(args, plan: Plan, device_bytes: float) -> None:
@@ -123,10 +121,11 @@ def choose_config(args, device: torch.device, device_bytes: float, world: int,
 
 
 def choose_budget(args, cfg: ModelConfig, device: torch.device, device_bytes: float, world: int,
-                  reference_fsdp: bool, nbytes: int) -> float | None:
+                  nbytes: int) -> float | None:
     """The budget given; None (compile_step fits each graph's plan to the GPU, memory_plan/) but for
-    the reference model's FSDP step, whose own backends take the largest budget whose estimate fits."""
-    if args.memory_budget is not None or not args.compile or device.type != "cuda" or not reference_fsdp:
+    a step sharded over ``world`` > 1 GPUs, which takes the largest budget whose sharded estimate fits
+    (the per-graph plan does not count the other ranks' shares)."""
+    if args.memory_budget is not None or not args.compile or device.type != "cuda" or world == 1:
         return args.memory_budget
     for budget in [b / 100 for b in range(100, -1, -1)]:
         if sizes.fits(estimate_peak_bytes(cfg, True, budget, nbytes, world), device_bytes):
