@@ -1,4 +1,4 @@
-"""The leaderboard's timing code (REFERENCE.md §1) with one added line: ``compile_step``.
+"""The leaderboard's timing code (docs/reference.md §1) with one added line: ``compile_step``.
 
     python benchmarks/leaderboard_harness.py                       # full config on the GPU, the reference model
     python benchmarks/leaderboard_harness.py --model mymodels:build --rep 3000 --warmup 1000

@@ -45,7 +45,7 @@ def build_user_model(factory, cfg: ModelConfig, device: torch.device, dtype: tor
 
 
 def make_train_step(model, loss_fn, optimizer):
-    """The leaderboard's step (REFERENCE.md §1) over the given model, loss and optimizer."""
+    """The leaderboard's step (docs/reference.md §1) over the given model, loss and optimizer."""
 
     def train_step(inputs, targets):
         optimizer.zero_grad(set_to_none=True)

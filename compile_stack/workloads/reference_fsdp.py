@@ -19,7 +19,7 @@ Where compilation stops, and why:
   in ONE graph, so our fused LM-head + cross-entropy pass still applies.
   These are ``regional.BlockwiseLoss``'s pieces, which spell out the
   model's forward (embedding, blocks, norm, head): the structure
-  REFERENCE.md §2 fixes.
+  docs/reference.md §2 fixes.
 - The optimizer runs on the local shards. Dynamo cannot trace ``p.data -= …``
   on a DTensor (``set_`` fails under fake tensors, before any pass of ours
   runs), and on plain tensors our AdamW pass and kernel see the update.
