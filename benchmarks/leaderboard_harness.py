@@ -26,7 +26,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import compile_stack  # noqa: E402
 from compile_stack.workloads.config import PRESETS  # noqa: E402
 from compile_stack.workloads.reference import AdamW, build_model, cross_entropy  # noqa: E402
-from compile_stack.harness.user_code import build_user_model, load_object  # noqa: E402
+from compile_stack.harness.user_code import build_user_model, load_user_code  # noqa: E402
 from compile_stack.harness.options import HelpFormatter, add_offload_option, check_offload, offload_label  # noqa: E402
 from benchmarks.results import append_result  # noqa: E402
 
@@ -74,7 +74,7 @@ def main(argv=None) -> dict:
     dtype = torch.bfloat16
     torch.manual_seed(0)
     if args.model:
-        model = build_user_model(load_object(args.model, "model"), cfg, device, dtype)
+        model = build_user_model(load_user_code(args.model, "model"), cfg, device, dtype)
     else:
         model = build_model(cfg, device, dtype)
     optimizer = AdamW(model.parameters())
