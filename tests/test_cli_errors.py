@@ -188,8 +188,9 @@ def suggestions(message: str) -> list[list[str]]:
     """The options a refusal suggests ("Try A, or B (estimated …)" / "check B (…)"), each as argv."""
     tail = message.split(". ", 1)[1].split("; or --force")[0]
     found = []
-    for part in tail.replace("Run without --check, or check ", "Try --no-check-then ").removeprefix("Try ").split(", or "):
-        found.append(part.split(" (estimated")[0].replace("--no-check-then ", "").split())
+    tail = tail.replace("Run without --check, or check ", "Try ").removeprefix("Try ")
+    for part in tail.split(", or "):
+        found.append(part.split(" (estimated")[0].split())
     return found
 
 

@@ -7,6 +7,7 @@ import torch
 
 from compile_stack.harness import measure
 from compile_stack.harness.profiling import record
+from passes import registry
 
 
 def test_heartbeat_says_the_first_step_is_still_compiling(capsys):
@@ -17,6 +18,14 @@ def test_heartbeat_says_the_first_step_is_still_compiling(capsys):
     assert all(line.startswith("[ours] first step: ") and line.endswith(" s so far (compiling)...") for line in lines)
     time.sleep(0.1)
     assert capsys.readouterr().out == ""  # stopped with the block
+
+
+def test_heartbeat_says_what_was_replaced_so_far(capsys):
+    report = registry.PassReport()
+    report.replacements.update({"attention": 2, "rope": 0})
+    with measure.heartbeat("ours", every_s=0.05, report=report):
+        time.sleep(0.12)
+    assert capsys.readouterr().out.splitlines()[0].endswith("(compiling; replaced so far: attention 2)...")
 
 
 def test_step_lines_are_bounded_and_end_with_the_last():

@@ -69,14 +69,18 @@ HEARTBEAT_S = 30.0  # a line this often while the first step compiles
 
 
 @contextlib.contextmanager
-def heartbeat(label: str, every_s: float = HEARTBEAT_S):
+def heartbeat(label: str, every_s: float = HEARTBEAT_S, report=None):
     """While the block runs (a first step compiling for minutes), a line every ``every_s``: the
-    run is alive, and how long it has taken so far."""
+    run is alive, how long it has taken so far and, given the step's pass ``report``, what the
+    graphs compiled so far had replaced."""
     done, t0 = threading.Event(), time.perf_counter()
 
     def beat():
         while not done.wait(every_s):
-            log(f"[{label}] first step: {time.perf_counter() - t0:.0f} s so far (compiling)...")
+            counts = sorted(dict(report.replacements).items()) if report else []
+            replaced = ", ".join(f"{name} {n}" for name, n in counts if n)
+            log(f"[{label}] first step: {time.perf_counter() - t0:.0f} s so far (compiling"
+                f"{'; replaced so far: ' + replaced if replaced else ''})...")
 
     thread = threading.Thread(target=beat, daemon=True)
     thread.start()
@@ -97,7 +101,7 @@ def measure(step: FirstCallTimer, batch, args, plan, label: str) -> dict:
     """First (compiling) step unless it already ran, warm-up, timed steps; the summary figures."""
     if step.first_s is None:
         log(f"[{label}] first step (compiles when compiled)...")
-        with heartbeat(label):
+        with heartbeat(label, report=getattr(step.step, "report", None)):  # a compiled step's pass report
             step(*batch)
     log(f"[{label}] first step took {step.first_s:.1f} s")
     for i in range(args.warmup):  # timed too: the second call compiles a graph's richer plan (memory_plan/share.py)
