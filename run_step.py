@@ -72,7 +72,10 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="also time the step built from stock PyTorch parts, in this process once ours is freed "
                         "(sharded with FSDP2 under torchrun)")
     p.add_argument("--profile", type=Path, metavar="FILE", help="write a torch.profiler trace of one step and print a breakdown")
-    p.add_argument("--force", action="store_true", help="run even if the memory estimate says the config does not fit")
+    p.add_argument("--force", action="store_true",
+                   help="run even if the memory estimate says the config (or, with --check, the eager reference "
+                        "step beside it) does not fit the device; without it such a run is refused with a config "
+                        "that fits")
     args = p.parse_args(argv)
     check_args(args, p)
     return args
@@ -80,9 +83,10 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def run(args) -> dict:
     """The run, phase by phase; its summary."""
+    code = StepCode.from_args(args)  # the user's code, if any: callable as its options say
     plan = plan_run(args)  # device, config and budget; refuses what cannot fit
+    code.check_loss(plan.cfg, plan.dtype)
     use_caches(args, plan)
-    code = StepCode.from_args(args)
     ours = build_step(args, plan, code)
     summary = plan.summary(args)
     if args.check:

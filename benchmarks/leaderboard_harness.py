@@ -1,4 +1,4 @@
-"""The leaderboard's timing code (REFERENCE.md §1) with one added line: ``compile_step``.
+"""The leaderboard's timing code (docs/reference.md §1) with one added line: ``compile_step``.
 
     python benchmarks/leaderboard_harness.py                       # full config on the GPU, the reference model
     python benchmarks/leaderboard_harness.py --model mymodels:build --rep 3000 --warmup 1000
@@ -33,7 +33,7 @@ import compile_stack  # noqa: E402
 from compile_stack import distributed  # noqa: E402
 from compile_stack.workloads.config import PRESETS  # noqa: E402
 from compile_stack.workloads.reference import AdamW, build_model, cross_entropy  # noqa: E402
-from compile_stack.harness.user_code import build_user_model, load_object  # noqa: E402
+from compile_stack.harness.user_code import build_user_model, load_user_code  # noqa: E402
 from compile_stack.harness.options import HelpFormatter, add_offload_option, check_offload, offload_label  # noqa: E402
 from benchmarks.results import append_result  # noqa: E402
 
@@ -89,7 +89,7 @@ def main(argv=None) -> dict:
     dtype = torch.bfloat16
     torch.manual_seed(0)
     if args.model:
-        model = build_user_model(load_object(args.model, "model"), cfg, device, dtype)
+        model = build_user_model(load_user_code(args.model, "model"), cfg, device, dtype)
     else:
         model = build_model(cfg, device, dtype)
     inputs = torch.randint(cfg.vocab, (cfg.batch, cfg.seq), device=device)

@@ -3,7 +3,7 @@
 ``p.data -= u`` reaches Dynamo's graph as ``d = _get_data_attr(p); d -= u;
 p.set_(d)`` (Dynamo puts the ``set_`` under ``no_grad`` itself). AOTAutograd
 cannot functionalize the ``set_`` ("cannot mutate tensors with frozen
-storage", REFERENCE.md §4). ``d`` shares ``p``'s storage, sizes and strides,
+storage", docs/reference.md §4). ``d`` shares ``p``'s storage, sizes and strides,
 so the in-place op has already written the new values into ``p``'s storage
 and the ``set_`` points ``p`` at that same storage: a no-op on the data.
 This pass rewrites the sequence into a plain in-place update of ``p``'s

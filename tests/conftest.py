@@ -50,3 +50,11 @@ def pytest_collection_finish(session):
 def pytest_sessionfinish(session):
     for module in _compile_check:
         module.stop_compiles()
+
+
+@pytest.fixture(scope="session")
+def installed_wheel(tmp_path_factory):
+    """(wheel, python of a fresh venv with it installed): tests/installed_wheel.py."""
+    from tests.installed_wheel import install_wheel
+
+    return install_wheel(tmp_path_factory.mktemp("wheel"))

@@ -21,7 +21,7 @@ DTYPES = {
 
 
 def reference_step(p, g, m, v, *, lr, t, beta1, beta2, eps, weight_decay, torch_semantics):
-    """One AdamW step in float64 (REFERENCE.md §2, or torch.optim.AdamW's eps placement)."""
+    """One AdamW step in float64 (docs/reference.md §2, or torch.optim.AdamW's eps placement)."""
     p, g, m, v = (x.double() for x in (p, g, m, v))
     p = p - lr * weight_decay * p
     m = beta1 * m + (1 - beta1) * g

@@ -1,4 +1,4 @@
-"""Presets and the work accounting of REFERENCE.md §3."""
+"""Presets and the work accounting of docs/reference.md §3."""
 import pytest
 
 from compile_stack.memory_plan import estimate, sizes

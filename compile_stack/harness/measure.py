@@ -4,7 +4,9 @@ steps, tokens/s, peak memory and MFU; under torchrun, every rank's figures.
 The timed steps sync anyway, so after each one the fused ops' bad-target flags
 are read at no extra wait: a bad batch stops the run at the step that saw it.
 """
+import contextlib
 import statistics
+import threading
 import time
 
 import torch
@@ -50,7 +52,8 @@ def timed_steps(step, batch, n: int, device: torch.device) -> tuple[list[float],
             loss = step(*batch)
             times.append((time.perf_counter() - t0) * 1e3)
         raise_on_bad_targets()  # synced above: outside the timing
-        log(f"  step {i + 1}/{n}: {times[-1]:.1f} ms")
+        if shown(i + 1, n):
+            log(f"  step {i + 1}/{n}: {times[-1]:.1f} ms")
     return times, loss.detach().item()
 
 
@@ -62,16 +65,50 @@ def peak_memory_gib(device: torch.device) -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / GIB
 
 
+HEARTBEAT_S = 30.0  # a line this often while the first step compiles
+
+
+@contextlib.contextmanager
+def heartbeat(label: str, every_s: float = HEARTBEAT_S, report=None):
+    """While the block runs (a first step compiling for minutes), a line every ``every_s``: the
+    run is alive, how long it has taken so far and, given the step's pass ``report``, what the
+    graphs compiled so far had replaced."""
+    done, t0 = threading.Event(), time.perf_counter()
+
+    def beat():
+        while not done.wait(every_s):
+            counts = sorted(dict(report.replacements).items()) if report else []
+            replaced = ", ".join(f"{name} {n}" for name, n in counts if n)
+            log(f"[{label}] first step: {time.perf_counter() - t0:.0f} s so far (compiling"
+                f"{'; replaced so far: ' + replaced if replaced else ''})...")
+
+    thread = threading.Thread(target=beat, daemon=True)
+    thread.start()
+    try:
+        yield
+    finally:
+        done.set()
+        thread.join()
+
+
+def shown(i: int, n: int, lines: int = 10) -> bool:
+    """Whether step ``i`` of ``n`` (from 1) gets a progress line: all of up to 2 × ``lines``, else
+    about ``lines`` of them, the last included."""
+    return n <= 2 * lines or i == n or i % -(-n // lines) == 0
+
+
 def measure(step: FirstCallTimer, batch, args, plan, label: str) -> dict:
     """First (compiling) step unless it already ran, warm-up, timed steps; the summary figures."""
     if step.first_s is None:
         log(f"[{label}] first step (compiles when compiled)...")
-        step(*batch)
+        with heartbeat(label, report=getattr(step.step, "report", None)):  # a compiled step's pass report
+            step(*batch)
     log(f"[{label}] first step took {step.first_s:.1f} s")
     for i in range(args.warmup):  # timed too: the second call compiles a graph's richer plan (memory_plan/share.py)
         t0 = time.perf_counter()
         step(*batch).detach().item()  # synchronizes
-        log(f"[{label}] warm-up {i + 1}/{args.warmup} took {time.perf_counter() - t0:.1f} s")
+        if shown(i + 1, args.warmup):
+            log(f"[{label}] warm-up {i + 1}/{args.warmup} took {time.perf_counter() - t0:.1f} s")
     log(f"[{label}] timing {args.steps} steps...")
     times, loss = timed_steps(step, batch, args.steps, plan.device)
     step_ms = statistics.median(times)

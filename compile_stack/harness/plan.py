@@ -9,6 +9,7 @@ from compile_stack import distributed
 from compile_stack.memory_plan import host, levers, sizes
 from compile_stack.memory_plan.estimate import estimate_peak_bytes
 from compile_stack.workloads.config import PRESET_ORDER, ModelConfig
+from compile_stack.harness import suggest
 from compile_stack.harness.options import config_of
 from compile_stack.harness.report import log
 
@@ -88,17 +89,17 @@ def refuse_what_cannot_fit(args, plan: Plan, device_bytes: float) -> None:
         raise SystemExit(
             f"config does not fit: estimated peak {plan.estimate / sizes.GIB:.1f} GiB "
             f"({'compiled' if args.compile else 'eager'}, budget {plan.budget}) with "
-            f"{device_bytes / sizes.GIB:.1f} GiB on {plan.device}. "
-            "Use a smaller preset or overrides, --compile, a lower --memory-budget, or --force to try anyway."
+            f"{device_bytes / sizes.GIB:.1f} GiB on {plan.device}. {suggest.instead(args, plan, device_bytes)}"
         )
     # --check keeps a second model and its optimizer state, and runs it eagerly.
-    nbytes = plan.dtype.itemsize
-    eager_estimate = estimate_peak_bytes(plan.cfg, False, nbytes=nbytes) + 4 * plan.cfg.params * nbytes
+    eager_estimate = suggest.check_estimate(plan.cfg, plan.dtype.itemsize)
     if args.check and not sizes.fits(eager_estimate, device_bytes):
+        smaller = suggest.smaller_config(args, plan, device_bytes, with_check=True)
+        check_smaller = f", or check {smaller[0]} (estimated {smaller[1]:.1f} GiB with the check)" if smaller else ""
         raise SystemExit(
             f"--check: the eager reference step it runs next to ours does not fit: estimated peak "
             f"{eager_estimate / sizes.GIB:.1f} GiB with {device_bytes / sizes.GIB:.1f} GiB on {plan.device}. "
-            "Check a smaller config (e.g. --preset small --seq 4096), or --force to try anyway."
+            f"Run without --check{check_smaller}; or --force to run anyway."
         )
 
 

@@ -17,7 +17,10 @@ launches than the model has layers).
 Under torchrun, ``profile_overlap`` says how much of the step's communication
 ran under compute (``comm_overlap`` in the summary).
 """
+import contextlib
+import os
 import re
+import sys
 from collections import defaultdict
 from collections.abc import Callable
 from pathlib import Path
@@ -65,13 +68,35 @@ def _known_work(cfg: ModelConfig) -> dict[str, tuple[float, str]]:
     }
 
 
+@contextlib.contextmanager
+def profiler_chatter_muted():
+    """The profiler's own lines at its start and stop (Kineto's, written to file descriptor 2 from
+    C++, a few per start and stop and more with CUPTI) kept off the screen; the step's run
+    between them is not muted."""
+    sys.stderr.flush()
+    saved, devnull = os.dup(2), os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, 2)
+    try:
+        yield
+    finally:
+        os.dup2(saved, 2)
+        os.close(saved)
+        os.close(devnull)
+
+
 def record(step_fn) -> profile:
     """Run ``step_fn`` once under the profiler (CPU, and CUDA when there is a GPU), synchronized."""
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
-    with profile(activities=activities) as prof:
+    prof = profile(activities=activities)
+    with profiler_chatter_muted():
+        prof.start()
+    try:
         step_fn()
         if torch.cuda.is_available():
             torch.cuda.synchronize()
+    finally:
+        with profiler_chatter_muted():
+            prof.stop()
     return prof
 
 

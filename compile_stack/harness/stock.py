@@ -2,7 +2,7 @@
 
 Same model and weights layout as the reference (it runs on a reference
 ``Transformer``'s parameters), computed the way the stock anchor of
-REFERENCE.md §4 is: ``torch.compile`` per block, ``F.scaled_dot_product_attention``,
+docs/reference.md §4 is: ``torch.compile`` per block, ``F.scaled_dot_product_attention``,
 activation checkpointing per block, the LM head and cross-entropy in
 checkpointed token chunks, and ``torch.optim.AdamW(fused=True)``. Its
 optimizer is torch's (eps inside the bias correction), as a stock user's

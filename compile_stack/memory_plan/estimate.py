@@ -3,7 +3,7 @@
 The estimate is deliberately simple and errs high; it is a guard, not a plan.
 
 - State: parameters, gradients and the two AdamW moments, all in the model
-  dtype (REFERENCE.md §2): 4 × params × bytes.
+  dtype (docs/reference.md §2): 4 × params × bytes.
 - Eager (the reference as written): per layer, autograd keeps two B·H·S²
   tensors (the exponentials and the normalized weights) and the S×S mask,
   plus the token activations below; the last layer's forward has three more

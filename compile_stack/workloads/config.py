@@ -1,12 +1,12 @@
 """Model configurations: the leaderboard's `full` config and smaller presets.
 
-Also the work and memory accounting of REFERENCE.md §3, used for MFU and to
+Also the work and memory accounting of docs/reference.md §3, used for MFU and to
 decide before allocating whether a config can fit on a device.
 """
 import dataclasses
 from dataclasses import dataclass
 
-H200_PEAK_BF16_FLOPS = 989e12  # dense bf16 datasheet peak, REFERENCE.md §3
+H200_PEAK_BF16_FLOPS = 989e12  # dense bf16 datasheet peak, docs/reference.md §3
 
 
 @dataclass(frozen=True)
@@ -46,7 +46,7 @@ class ModelConfig:
 
     @property
     def matmul_params(self) -> int:
-        """N of REFERENCE.md §3: the parameters that take part in matmuls."""
+        """N of docs/reference.md §3: the parameters that take part in matmuls."""
         d = self.d_model
         return self.layers * (4 * d * d + 3 * d * self.d_ff) + d * self.vocab
 
@@ -62,7 +62,7 @@ class ModelConfig:
 
     @property
     def flops_per_step(self) -> float:
-        """Model FLOPs of one train step (REFERENCE.md §3)."""
+        """Model FLOPs of one train step (docs/reference.md §3)."""
         return self.matmul_flops + self.attention_flops
 
     def with_overrides(self, **overrides) -> "ModelConfig":
@@ -70,7 +70,7 @@ class ModelConfig:
 
 
 PRESETS = {
-    # The leaderboard's 8B step (REFERENCE.md §1).
+    # The leaderboard's 8B step (docs/reference.md §1).
     "full": ModelConfig(layers=34, seq=32768, batch=2, d_model=4096, heads=32, d_ff=11008, vocab=151936),
     # Full width and vocabulary, few layers and a short sequence: about a second per step on one GPU.
     "small": ModelConfig(layers=4, seq=8192, batch=2, d_model=4096, heads=32, d_ff=11008, vocab=151936),

@@ -3,7 +3,7 @@
 This is the slow input the package must make fast *without editing it*:
 attention materializes the S×S scores with a hand-written softmax, the loss
 builds the full logits and a hand-written log-softmax, and AdamW is a Python
-loop of tensor ops per parameter. Semantics follow REFERENCE.md §2.
+loop of tensor ops per parameter. Semantics follow docs/reference.md §2.
 """
 import math
 

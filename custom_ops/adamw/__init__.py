@@ -12,7 +12,7 @@ memory: a new lr or step value needs no recompile of a graph and no host sync.
 How bad input, bad lr/step values and the fused cross-entropy's bad targets are
 refused: ``op``'s docstring.
 
-Semantics (REFERENCE.md §2), step t = ``step`` (already incremented):
+Semantics (docs/reference.md §2), step t = ``step`` (already incremented):
   reference (default):  p ← p·(1 − lr·wd);  m ← β₁m + (1−β₁)g;  v ← β₂v + (1−β₂)g²;
                         p ← p − lr·√(1−β₂ᵗ)/(1−β₁ᵗ) · m / (√v + eps)
   torch_semantics=True: as torch.optim.AdamW, eps inside the bias correction:
