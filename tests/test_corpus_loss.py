@@ -14,7 +14,7 @@ import torch.nn.functional as F
 
 import compile_stack
 from passes import registry
-from tests.user_corpus import BATCH, SEQ, VOCAB, adamw, batches, make_train_step, run_case
+from tests.user_corpus import SEQ, VOCAB, adamw, batches, make_train_step, run_case
 
 D = 32
 REPLACED, LEFT_ALONE = {"cross_entropy": 1}, {"cross_entropy": 0}

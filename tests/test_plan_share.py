@@ -11,7 +11,6 @@ directory) partitions nothing, routes the same blocks and holds the same
 ledger (compile_stack/memory_plan/records.py); a graph missing from the caches is
 planned beside the cached ones.
 """
-import copy
 
 import pytest
 import torch
@@ -165,7 +164,7 @@ def test_a_graph_missing_from_the_caches_plans_beside_the_cached_ones(monkeypatc
 
 
 def test_a_damaged_or_missing_record_gives_none(tmp_path, monkeypatch):
-    monkeypatch.setattr(records.cache_dir_utils, "cache_dir", lambda: str(tmp_path))
+    monkeypatch.setattr(records.inductor, "cache_dir", lambda: str(tmp_path))
     share = plan_share.Share(uses=3, budget=0.65, moved=("mm_1",), saved=10, host=20, extra=5, extra_host=0)
     for record in (records.PlanRecord(100, 7, 50, share), records.PlanRecord(100, 7, 0, None)):
         records.remember("block:abc", "identity", record)

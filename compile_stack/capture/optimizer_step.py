@@ -102,24 +102,30 @@ class CompiledOptimizerStep:
         self.zero_grad = torch.compiler.disable(optimizer.zero_grad)
 
     def _run(self, *args, **kwargs):
+        # ``self.compiled`` is called from this frame, which Dynamo skips: a helper frame between
+        # them would be traced by the enclosing step's compile, the optimizer's step inlined there.
+        sources = step_counter_sources(self.optimizer)
+        with (self._on_local_shards(), torch.compiler.config.patch(dynamic_sources=sources),
+              self._dynamic_floats(sources), self._single_tensor()):
+            return self.compiled(*args, **kwargs)
+
+    @contextlib.contextmanager
+    def _on_local_shards(self):
+        """FSDP2's sharded parameters swapped for their local shards while active (none to swap
+        without DTensors, found at the first step)."""
         if self.sharded is None:
             self.sharded = self.local_shards.holds_dtensors()
             if self.sharded:
                 note("optimizer", f"{type(self.optimizer).__name__} steps the local shards of FSDP2's sharded "
                                   "parameters (plain tensors aliasing them), its state kept as DTensors")
         if not self.sharded:
-            return self._run_compiled(*args, **kwargs)
+            yield
+            return
         params = self.local_shards.swap_in()
         try:
-            return self._run_compiled(*args, **kwargs)
+            yield
         finally:
             self.local_shards.swap_out(params)
-
-    def _run_compiled(self, *args, **kwargs):
-        sources = step_counter_sources(self.optimizer)
-        with (torch.compiler.config.patch(dynamic_sources=sources), self._dynamic_floats(sources),
-              self._single_tensor()):
-            return self.compiled(*args, **kwargs)
 
     @contextlib.contextmanager
     def _single_tensor(self):

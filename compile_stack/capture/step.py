@@ -189,8 +189,8 @@ class CompiledStep:
                 if (refused := plan_refusal(e)) is not None:
                     raise refused from None  # the plan's one message, not Dynamo's wrapping of it
                 raise
-        if self.memory_plan is not None:
-            self.memory_plan.step_ended()  # every graph of the step has its plan now
+            if self.memory_plan is not None:  # its records go beside the caches in force
+                self.memory_plan.step_ended()  # every graph of the step has its plan now
         if first and self.bodies:
             several = len(self.bodies) > 1
             note("step", f"{len(self.bodies)} loop bod{'ies' if several else 'y'} calling backward() ran as "

@@ -10,7 +10,6 @@ from compile_stack import caches, distributed
 from compile_stack.harness.measure import FirstCallTimer
 from compile_stack.harness.options import passes_of
 from compile_stack.harness.report import log
-from passes import registry
 
 
 def use_caches(args, plan) -> None:

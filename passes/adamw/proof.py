@@ -279,7 +279,8 @@ def _prove(chains: list[_Chain], graph: Graph, flow: _Flow, order) -> list[_Chai
 def _prove_chain(chain: _Chain, envs, steps: set[Node], flow: _Flow, order) -> None:
     """Set the chain's step, coefficients and lr from its values at the probes; NoMatch if they are not AdamW's."""
     outputs = [tuple(env[chain.new[x]] for x in (chain.p, chain.m, chain.v)) for env in envs]
-    first = _read_off(*outputs[0])
+    # β₁, β₂ from the first probe that reads off (at a step probe below 1 the bias correction is 0).
+    first = next((read for read in (_read_off(*out) for out in outputs) if read is not None), None)
     if first is None:
         raise NoMatch("not of the form p' = decay·p − A·m'/(√v' + E) with 0 <= β < 1")
     if chain.scalars & steps:
