@@ -53,6 +53,22 @@ def _class_forward(block: torch.nn.Module, *args, **kwargs):
     return type(block).forward(block, *args, **kwargs)
 
 
+# What a graph node's arguments may hold (Dynamo turns these into the node's inputs).
+_PASSABLE = (torch.Tensor, torch.SymInt, torch.SymFloat, torch.SymBool, type(None), bool, int, float, complex, str,
+             torch.dtype, torch.device, torch.layout, torch.memory_format)
+
+
+def _passable(value) -> bool:
+    """Whether ``value`` can be an argument of a ``call_block`` node. A transformers ``Cache``
+    (``use_cache=True``, the default even in training) cannot: the block updates it in place, so
+    such a call is traced where it is made, and Dynamo keeps only what a live object needs."""
+    if isinstance(value, (tuple, list)):
+        return all(_passable(v) for v in value)
+    if isinstance(value, dict):
+        return all(isinstance(k, str) and _passable(v) for k, v in value.items())
+    return isinstance(value, _PASSABLE)
+
+
 def _plain(module: torch.nn.Module) -> bool:
     """No hooks on the module or inside it (a routed forward would skip nothing, but hooks such
     as FSDP2's must run around the block's own call)."""
@@ -105,9 +121,11 @@ class BlockCalls:
         return [*block.named_parameters(), *block.named_buffers()]
 
     def _forward(self, index: int):
-        key = self.key
+        key, block = self.key, self.blocks[index]
 
         def forward(*args, **kwargs):
+            if not _passable((args, kwargs)):  # traced where called: the captured graph is cut at it
+                return _class_forward(block, *args, **kwargs)
             return call_block(key, index, args, kwargs, self.tensors[index])
 
         return forward

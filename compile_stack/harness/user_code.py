@@ -151,12 +151,17 @@ def build_optimizer(optimizer_class, model: torch.nn.Module):
     return optimizer
 
 
+def logits_of(output):
+    """A model's logits: its output, or the ``.logits`` of a transformers ``ModelOutput``."""
+    return output if isinstance(output, torch.Tensor) else output.logits
+
+
 def make_train_step(model, loss_fn, optimizer):
     """The leaderboard's step (docs/reference.md §1) over the given model, loss and optimizer."""
 
     def train_step(inputs, targets):
         optimizer.zero_grad(set_to_none=True)
-        loss = loss_fn(model(inputs), targets).sum()
+        loss = loss_fn(logits_of(model(inputs)), targets).sum()
         loss.backward()
         optimizer.step()
         return loss
