@@ -680,3 +680,34 @@ def test_a_lambda_lr_scheduled_adamw_is_fused_and_the_scheduler_sees_its_step(re
     torch.testing.assert_close(compiled, eager, rtol=1e-5, atol=1e-6)
     assert registry.REPORT.replacements["adamw"] >= 1, registry.REPORT.notes
     assert not [w for w in recwarn if "lr_scheduler" in str(w.message) or "optimizer.step()" in str(w.message)]
+
+
+def test_a_graph_break_in_the_users_model_is_noted_with_its_line():
+    """A break in the user's (or a library's) code splits the graphs: the report names its file:line
+    and Dynamo's reason; the step's own loss.backward() is no such note."""
+    class Head(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.body, self.head = nn.Linear(8, 8), nn.Linear(8, 4, bias=False)
+
+        def forward(self, x):
+            h = self.body(x).relu()
+            torch._dynamo.graph_break()
+            return self.head(h)
+
+    model = Head()
+    optimizer = torch.optim.AdamW(model.parameters())
+    x, y = torch.randn(4, 8), torch.randint(0, 4, (4,))
+
+    def train_step():
+        optimizer.zero_grad(set_to_none=True)
+        loss = F.cross_entropy(model(x), y)
+        loss.backward()
+        optimizer.step()
+
+    torch._dynamo.reset()
+    registry.REPORT.clear()
+    compile_stack.compile_step(train_step, codegen=False)()
+    breaks = [n for n in registry.REPORT.notes if "graph break at" in n]
+    line = Head.forward.__code__.co_firstlineno + 2
+    assert len(breaks) == 1 and f"{__file__}:{line}" in breaks[0] and "graph_break()" in breaks[0], breaks

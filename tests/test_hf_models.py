@@ -91,7 +91,7 @@ def _run(model, make_step, dtype=torch.float32, steps=3):
 
 
 CASES = [
-    # family, attention, config, step, dtype, rope per layer
+    # family, attention, config, step, dtype
     pytest.param("llama", "sdpa", dict(num_key_value_heads=2, tie_word_embeddings=False), _labels_step,
                  torch.float32, id="llama-sdpa-gqa-untied-labels"),
     pytest.param("qwen3", "eager", dict(num_key_value_heads=2, tie_word_embeddings=True), _logits_step,
@@ -101,6 +101,8 @@ CASES = [
     pytest.param("gemma", "eager", dict(num_key_value_heads=1), _labels_step, torch.float32,
                  id="gemma-eager-mqa-tied-labels"),
     pytest.param("gpt2", "sdpa", dict(), _labels_step, torch.float32, id="gpt2-sdpa-tied-labels"),
+    pytest.param("mistral", "sdpa", dict(num_key_value_heads=2, sliding_window=None), _logits_step,
+                 torch.bfloat16, id="mistral-sdpa-gqa-bf16-own-loss"),
 ]
 
 
@@ -154,3 +156,14 @@ def test_run_step_takes_a_transformers_model_factory(tmp_path):
     passes = summary["passes"]
     assert passes["attention"] == layers and passes["rope"] == 2 * layers, passes
     assert passes["cross_entropy"] == 1 and passes["adamw"] >= 1, passes
+
+
+def test_alibi_attention_is_left_alone():
+    """MPT adds ALiBi's per-head linear biases to the scores: left as written, with a note."""
+    cfg = transformers.MptConfig(vocab_size=VOCAB, d_model=64, n_layers=LAYERS, n_heads=4, max_seq_len=64,
+                                 attn_config={"alibi": True}, resid_pdrop=0.0, emb_pdrop=0.0)
+    step = _run(transformers.AutoModelForCausalLM.from_config(cfg).train(), _labels_step)
+    assert REPORT.replacements["attention"] == 0
+    assert REPORT.replacements["cross_entropy"] == 1 and REPORT.replacements["adamw"] == 1, REPORT.notes
+    assert any(n.startswith("attention:") and "add" in n for n in REPORT.notes), REPORT.notes
+    assert step.block_graphs == 1

@@ -18,8 +18,9 @@ from passes.registry import note
 
 # The Logger methods traced code calls (warning_once/info_once: transformers adds them to Logger).
 _LOG_METHODS = ("debug", "info", "warning", "warn", "error", "critical", "log", "warning_once", "info_once")
-# Where a break is the package's own business (its routing) or torch's (an optimizer's step).
-_OURS = tuple(str(Path(m.__file__).parent) for m in (torch, __import__("compile_stack"), __import__("passes")))
+_TORCH = str(Path(torch.__file__).parent)
+# Where a break is the package's own business (its routing).
+_OURS = tuple(str(Path(__import__(m).__file__).parent) for m in ("compile_stack", "passes"))
 
 
 def logging_as_no_ops():
@@ -34,10 +35,12 @@ def note_break(gm: torch.fx.GraphModule) -> None:
     reason = getattr(gm, "compile_subgraph_reason", None)
     if reason is None or not reason.graph_break or not reason.user_stack:
         return
-    frame = reason.user_stack[-1]
+    # A break inside torch (an autograd.Function Dynamo cannot trace) is named by the line calling into it.
+    frames = [f for f in reason.user_stack if not f.filename.startswith(_TORCH)]
     why = " ".join(reason.reason.split())
-    if frame.filename.startswith(_OURS) or "Tensor.backward()" in why:
+    if not frames or frames[-1].filename.startswith(_OURS) or "Tensor.backward()" in why:
         return
+    frame = frames[-1]
     why = why.removeprefix("Graph break: ").removeprefix("Graph break in user code: ")
     note("step", f"graph break at {frame.filename}:{frame.lineno} ({why[:200]}): the code before and after it "
                  "compile as separate graphs")
