@@ -129,8 +129,12 @@ class SharedCompile:
 
     def __call__(self, position: int, *args):
         richer = self.sites.takes_richer(position)
-        key = (richer, torch.is_grad_enabled(), *((t.shape, t.stride(), t.dtype, t.device, t.requires_grad)
-                                                  if isinstance(t, torch.Tensor) else t for t in args))
+        # By the metadata of every tensor, tuples included: a block returning (hidden, weights) hands
+        # the next segment one tuple, which keyed by its tensors' identity compiled again every step.
+        leaves, spec = torch.utils._pytree.tree_flatten(args)
+        key = (richer, torch.is_grad_enabled(), str(spec),
+               *((t.shape, t.stride(), t.dtype, t.device, t.requires_grad) if isinstance(t, torch.Tensor) else t
+                 for t in leaves))
         fn = self.compiled.get(key)
         if fn is None:
             def backend(gm, example_inputs):

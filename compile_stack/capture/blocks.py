@@ -16,10 +16,13 @@ forward. Two ways, both automatic:
    one graph for every block (Dynamo keys it on the code; the block's
    parameters are graph inputs and guards keep it right for any block that
    differs). Dynamo's tracing no longer grows with depth either.
-2. **Graph cut** (the fallback, e.g. a model passed in as an argument, or
-   blocks with hooks): Dynamo captures the forward whole, and the backend
-   cuts the graph where Dynamo says each node came from
-   (``backend/segments.py``).
+2. **Graph cut** (the fallback, e.g. a model passed in as an argument,
+   blocks with hooks, or a call passing an object no graph node can take,
+   such as a transformers ``Cache``): Dynamo captures the forward whole, and
+   the backend cuts the graph where Dynamo says each node came from
+   (``backend/segments.py``); equal blocks (the same graph, whatever their
+   ``layer_idx``) share one compile, blocks of another kind (sliding-window
+   layers among full ones) get their own.
 
 Either way the backend splits the captured graph into segments at the
 blocks and compiles the pieces between them; a model with no repeated blocks
