@@ -11,14 +11,15 @@ median of ``--steps`` steps after ``--warmup`` (CUDA events); peak memory is
 ``max_memory_allocated`` over the timed steps. A variant out of memory is reported as such.
 
 transformers is the machine's; when missing, and Liger-Kernel when missing, they are installed
-offline from ``.device/wheels`` into a folder of this run (``pip download`` them there first:
-see the module's ``WHEELS`` note in the lead's report).
+offline from ``.device/wheels`` (``pip download liger-kernel --no-deps -d .device/wheels``;
+transformers and the pure-Python packages it needs in ``.device/wheels/hf``) into a temporary folder.
 
     python benchmarks/bench_hf.py --log-dir $OUT/bench_hf --json $OUT/bench_hf.json
     python benchmarks/bench_hf.py --tokens 8192 --variants ours,liger --steps 5
 """
 import argparse
 import json
+import os
 import statistics
 import subprocess
 import sys
@@ -132,7 +133,7 @@ def main() -> None:
     except ValueError:
         p.error(f"--tokens: expected comma-separated integers, got {args.tokens!r}")
     args.log_dir.mkdir(parents=True, exist_ok=True)
-    site = args.log_dir / "site-packages"
+    site = Path(os.environ.get("TMPDIR", "/tmp")) / "bench_hf_site"  # offline installs, outside the logs
     if args.one:
         variant, n = args.one.split(":")
         print("RESULT " + json.dumps(run_one(variant, int(n), args.layers, args.steps, args.warmup, site)))
