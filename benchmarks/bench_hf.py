@@ -106,9 +106,8 @@ def run_one(variant: str, tokens: int, layers: int, steps: int, warmup: int, sit
     except torch.OutOfMemoryError as e:
         result.update(error=f"out of memory: {str(e).splitlines()[0]}")
     if variant == "ours":
-        from passes.registry import REPORT
-        result["passes"] = dict(REPORT.replacements)
-        result["notes"] = list(REPORT.notes)
+        result["passes"] = dict(step.report.replacements)
+        result["notes"] = list(step.report.notes)
         result["block_graphs"] = step.block_graphs
     return result
 

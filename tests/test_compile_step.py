@@ -672,13 +672,12 @@ def test_a_lambda_lr_scheduled_adamw_is_fused_and_the_scheduler_sees_its_step(re
 
         if compiled:
             torch._dynamo.reset()
-            registry.REPORT.clear()
             train_step = compile_stack.compile_step(train_step, codegen=False)
-        return torch.stack([train_step() for _ in range(4)])
+        return torch.stack([train_step() for _ in range(4)]), getattr(train_step, "report", None)
 
-    eager, compiled = run(False), run(True)
+    (eager, _), (compiled, report) = run(False), run(True)
     torch.testing.assert_close(compiled, eager, rtol=1e-5, atol=1e-6)
-    assert registry.REPORT.replacements["adamw"] >= 1, registry.REPORT.notes
+    assert report.replacements["adamw"] >= 1, report.notes
     assert not [w for w in recwarn if "lr_scheduler" in str(w.message) or "optimizer.step()" in str(w.message)]
 
 
@@ -706,8 +705,8 @@ def test_a_graph_break_in_the_users_model_is_noted_with_its_line():
         optimizer.step()
 
     torch._dynamo.reset()
-    registry.REPORT.clear()
-    compile_stack.compile_step(train_step, codegen=False)()
-    breaks = [n for n in registry.REPORT.notes if "graph break at" in n]
+    step = compile_stack.compile_step(train_step, codegen=False)
+    step()
+    breaks = [n for n in step.report.notes if "graph break at" in n]
     line = Head.forward.__code__.co_firstlineno + 2
     assert len(breaks) == 1 and f"{__file__}:{line}" in breaks[0] and "graph_break()" in breaks[0], breaks

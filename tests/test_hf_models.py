@@ -16,7 +16,6 @@ import torch
 import torch.nn.functional as F
 
 import compile_stack
-from passes.registry import REPORT
 from tests.helpers import rel_err
 
 transformers = pytest.importorskip("transformers")
@@ -77,7 +76,6 @@ def _run(model, make_step, dtype=torch.float32, steps=3):
         step = make_step(m, optimizer, ids, labels, dtype)
         if compiled:
             torch._dynamo.reset()
-            REPORT.clear()
             step = compile_stack.compile_step(step, codegen=False)
         losses = torch.stack([step() for _ in range(steps)])
         results.append((losses, [p.detach().clone() for p in m.parameters()], step))
@@ -109,12 +107,12 @@ CASES = [
 @pytest.mark.parametrize("family, attn, config, make_step, dtype", CASES)
 def test_every_pass_and_one_block_graph(family, attn, config, make_step, dtype):
     step = _run(_model(family, attn, **config), make_step, dtype)
-    counts = REPORT.as_dict(["attention", "rope", "cross_entropy", "adamw"])
+    counts = step.report.as_dict(["attention", "rope", "cross_entropy", "adamw"])
     rotary = family != "gpt2"
     assert counts == {"attention": LAYERS, "rope": 2 * LAYERS if rotary else 0, "cross_entropy": 1, "adamw": 1}, \
-        (counts, REPORT.notes)
-    assert step.block_graphs == 1, REPORT.notes
-    assert not [n for n in REPORT.notes if "graph break" in n], REPORT.notes
+        (counts, step.report.notes)
+    assert step.block_graphs == 1, step.report.notes
+    assert not [n for n in step.report.notes if "graph break" in n], step.report.notes
 
 
 def test_sliding_window_layers_are_left_alone_and_compile_as_their_own_kind():
@@ -124,10 +122,10 @@ def test_sliding_window_layers_are_left_alone_and_compile_as_their_own_kind():
                    max_window_layers=1)
     assert model.config.layer_types == ["full_attention", "sliding_attention", "sliding_attention"]
     step = _run(model, _labels_step)
-    assert REPORT.replacements["attention"] == 1, REPORT.notes
-    assert REPORT.replacements["cross_entropy"] == 1 and REPORT.replacements["adamw"] == 1, REPORT.notes
-    assert any(n.startswith("attention:") for n in REPORT.notes), REPORT.notes
-    assert step.block_graphs == 2, REPORT.notes
+    assert step.report.replacements["attention"] == 1, step.report.notes
+    assert step.report.replacements["cross_entropy"] == 1 and step.report.replacements["adamw"] == 1, step.report.notes
+    assert any(n.startswith("attention:") for n in step.report.notes), step.report.notes
+    assert step.block_graphs == 2, step.report.notes
 
 
 def test_soft_capped_attention_logits_are_left_alone():
@@ -135,10 +133,10 @@ def test_soft_capped_attention_logits_are_left_alone():
     that, so attention stays as written, with a note, and the result equals eager."""
     model = _model("gemma2", "eager", num_key_value_heads=2, attn_logit_softcapping=50.0,
                    final_logit_softcapping=30.0, sliding_window=64)
-    _run(model, _labels_step)
-    assert REPORT.replacements["attention"] == 0
-    assert REPORT.replacements["adamw"] == 1
-    assert any(n.startswith("attention:") for n in REPORT.notes), REPORT.notes
+    step = _run(model, _labels_step)
+    assert step.report.replacements["attention"] == 0
+    assert step.report.replacements["adamw"] == 1
+    assert any(n.startswith("attention:") for n in step.report.notes), step.report.notes
 
 
 def test_run_step_takes_a_transformers_model_factory(tmp_path):
@@ -163,7 +161,7 @@ def test_alibi_attention_is_left_alone():
     cfg = transformers.MptConfig(vocab_size=VOCAB, d_model=64, n_layers=LAYERS, n_heads=4, max_seq_len=64,
                                  attn_config={"alibi": True}, resid_pdrop=0.0, emb_pdrop=0.0)
     step = _run(transformers.AutoModelForCausalLM.from_config(cfg).train(), _labels_step)
-    assert REPORT.replacements["attention"] == 0
-    assert REPORT.replacements["cross_entropy"] == 1 and REPORT.replacements["adamw"] == 1, REPORT.notes
-    assert any(n.startswith("attention:") and "add" in n for n in REPORT.notes), REPORT.notes
+    assert step.report.replacements["attention"] == 0
+    assert step.report.replacements["cross_entropy"] == 1 and step.report.replacements["adamw"] == 1, step.report.notes
+    assert any(n.startswith("attention:") and "add" in n for n in step.report.notes), step.report.notes
     assert step.block_graphs == 1

@@ -108,13 +108,18 @@ def check_loss(loss_fn, cfg: ModelConfig, dtype: torch.dtype) -> None:
                          f"{on}, got {got}")
 
 
+def logits_of(output):
+    """A model's logits: its output, or the ``.logits`` of a transformers ``ModelOutput``."""
+    return output if isinstance(output, torch.Tensor) else getattr(output, "logits", output)
+
+
 def check_model(model: torch.nn.Module, cfg: ModelConfig, device: torch.device) -> None:
-    """``--model``'s module maps a few token ids ``[b, s]`` to logits ``[b, s, V]``."""
+    """``--model``'s module maps a few token ids ``[b, s]`` to logits ``[b, s, V]`` (or an output holding them)."""
     b, s = probe_shape(cfg)
     ids = torch.randint(cfg.vocab, (b, s), generator=torch.Generator().manual_seed(0)).to(device)
     try:
         with torch.no_grad():
-            logits = model(ids)
+            logits = logits_of(model(ids))
     except Exception as e:
         raise SystemExit(f"--model: the model failed on token ids [{b}, {s}]: {first_line(e)}") from None
     if not (isinstance(logits, torch.Tensor) and tuple(logits.shape) == (b, s, cfg.vocab)):
@@ -149,11 +154,6 @@ def build_optimizer(optimizer_class, model: torch.nn.Module):
         raise SystemExit(f"--optimizer: expected an optimizer with step() and zero_grad(), got a "
                          f"{type(optimizer).__name__} without {' or '.join(m + '()' for m in missing)}")
     return optimizer
-
-
-def logits_of(output):
-    """A model's logits: its output, or the ``.logits`` of a transformers ``ModelOutput``."""
-    return output if isinstance(output, torch.Tensor) else output.logits
 
 
 def make_train_step(model, loss_fn, optimizer):
