@@ -649,3 +649,64 @@ def test_a_steps_cache_dir_is_used_while_it_runs_and_the_environment_kept(tmp_pa
     step(inputs, targets)
     assert {name: os.environ.get(name) for name in variables} == before
     assert any((tmp_path / "ours" / "inductor").iterdir()), "the step's compiles were cached in its cache_dir"
+
+
+def test_a_lambda_lr_scheduled_adamw_is_fused_and_the_scheduler_sees_its_step(recwarn):
+    """LambdaLR wraps ``optimizer.step`` to note each call; Dynamo skips that wrapper's frame. The
+    update beneath it is compiled (fused), the call is noted for the scheduler as the wrapper
+    would (no 'optimizer.step() has been overridden' warning), and the losses equal eager's."""
+    def run(compiled):
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 8, bias=False))
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: (s + 1) / 4)
+        x, y = torch.randn(4, 16), torch.randint(0, 8, (4,))
+
+        def train_step():
+            optimizer.zero_grad(set_to_none=True)
+            loss = F.cross_entropy(model(x), y)
+            loss.backward()
+            optimizer.step()
+            scheduler.step()
+            return loss.detach()
+
+        if compiled:
+            torch._dynamo.reset()
+            train_step = compile_stack.compile_step(train_step, codegen=False)
+        return torch.stack([train_step() for _ in range(4)]), getattr(train_step, "report", None)
+
+    (eager, _), (compiled, report) = run(False), run(True)
+    torch.testing.assert_close(compiled, eager, rtol=1e-5, atol=1e-6)
+    assert report.replacements["adamw"] >= 1, report.notes
+    assert not [w for w in recwarn if "lr_scheduler" in str(w.message) or "optimizer.step()" in str(w.message)]
+
+
+def test_a_graph_break_in_the_users_model_is_noted_with_its_line():
+    """A break in the user's (or a library's) code splits the graphs: the report names its file:line
+    and Dynamo's reason; the step's own loss.backward() is no such note."""
+    class Head(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.body, self.head = nn.Linear(8, 8), nn.Linear(8, 4, bias=False)
+
+        def forward(self, x):
+            h = self.body(x).relu()
+            torch._dynamo.graph_break()
+            return self.head(h)
+
+    model = Head()
+    optimizer = torch.optim.AdamW(model.parameters())
+    x, y = torch.randn(4, 8), torch.randint(0, 4, (4,))
+
+    def train_step():
+        optimizer.zero_grad(set_to_none=True)
+        loss = F.cross_entropy(model(x), y)
+        loss.backward()
+        optimizer.step()
+
+    torch._dynamo.reset()
+    step = compile_stack.compile_step(train_step, codegen=False)
+    step()
+    breaks = [n for n in step.report.notes if "graph break at" in n]
+    line = Head.forward.__code__.co_firstlineno + 2
+    assert len(breaks) == 1 and f"{__file__}:{line}" in breaks[0] and "graph_break()" in breaks[0], breaks

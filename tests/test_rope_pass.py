@@ -7,6 +7,7 @@ public code they are modelled on, written here independently.
 """
 import math
 
+import einops
 import pytest
 import torch
 import torch.nn as nn
@@ -48,6 +49,15 @@ class PairsThenHalves(Tables):
         cos, sin = self.cos[: x.shape[-2]], self.sin[: x.shape[-2]]
         x1, x2 = x[..., ::2], x[..., 1::2]
         return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+
+
+class EinopsPairs(Tables):
+    """A course's form: interleaved pairs taken by einops, the rotated halves concatenated."""
+
+    def forward(self, x):
+        cos, sin = self.cos[: x.shape[-2]], self.sin[: x.shape[-2]]
+        x1, x2 = einops.rearrange(x, "... (d two) -> two ... d", two=2).unbind(0)
+        return torch.cat((x1 * cos - x2 * sin, x1 * sin + x2 * cos), dim=-1)
 
 
 def rotate_half(x):
@@ -180,6 +190,7 @@ def _close(eager, compiled, tol):
 
 @pytest.mark.parametrize("rotary, layout", [
     (PairsThenHalves, (True, False)),
+    (EinopsPairs, (True, False)),
     (RotateHalf, (False, False)),
     (ChunkHalves, (False, False)),
     (StackFlatten, (True, True)),

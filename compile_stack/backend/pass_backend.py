@@ -22,7 +22,7 @@ import functools
 
 import torch
 
-from compile_stack.backend import input_masks, inspection, pass_records, segments, settings
+from compile_stack.backend import graph_breaks, input_masks, inspection, pass_records, segments, settings
 from compile_stack.backend.aten_graphs import compile_aten_graphs
 from compile_stack.backend.grad_release import grads_set_to_none, releasing_grads
 from compile_stack.memory_plan.plan import MemoryPlan
@@ -66,6 +66,7 @@ class PassBackend:
         self.codegen = codegen
         self.graphs = 0  # graphs compiled
         self.captures = 0  # captured graphs cut into segments (segments.outline)
+        self.block_graphs = 0  # of those segments, the blocks' graphs compiled (one per distinct kind)
         self.writer = writer
 
     @contextlib.contextmanager
@@ -86,15 +87,21 @@ class PassBackend:
             yield
 
     def __call__(self, gm: torch.fx.GraphModule, example_inputs):
+        graph_breaks.note_break(gm)
         released = grads_set_to_none(gm)  # before a pass edits the graph's inputs
         if self.outline_blocks:
-            segmented = segments.outline(gm, self._compile)
+            segmented = segments.outline(gm, self._compile, self._compile_block)
             if segmented is not None:
                 if self.writer:  # the graph Dynamo captured, before it was cut
                     self.writer.begin_graph(f"{self.name}.captured{self.captures}", gm)
                 self.captures += 1
                 return releasing_grads(segmented, released)
         return releasing_grads(self._compile(gm, example_inputs, self.sites), released)
+
+    def _compile_block(self, gm: torch.fx.GraphModule, example_inputs, sites: CallSites, richer: bool = False):
+        """``_compile`` of a block segment cut from a captured graph, counted in ``block_graphs``."""
+        self.block_graphs += not richer
+        return self._compile(gm, example_inputs, sites, richer)
 
     def richer(self, gm: torch.fx.GraphModule, example_inputs):
         """A backend compiling each graph for its richer call sites (``self.sites.richer``)."""

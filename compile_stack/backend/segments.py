@@ -129,8 +129,12 @@ class SharedCompile:
 
     def __call__(self, position: int, *args):
         richer = self.sites.takes_richer(position)
-        key = (richer, torch.is_grad_enabled(), *((t.shape, t.stride(), t.dtype, t.device, t.requires_grad)
-                                                  if isinstance(t, torch.Tensor) else t for t in args))
+        # By the metadata of every tensor, tuples included: a block returning (hidden, weights) hands
+        # the next segment one tuple, which keyed by its tensors' identity compiled again every step.
+        leaves, spec = torch.utils._pytree.tree_flatten(args)
+        key = (richer, torch.is_grad_enabled(), str(spec),
+               *((t.shape, t.stride(), t.dtype, t.device, t.requires_grad) if isinstance(t, torch.Tensor) else t
+                 for t in leaves))
         fn = self.compiled.get(key)
         if fn is None:
             def backend(gm, example_inputs):
@@ -154,11 +158,14 @@ def is_block_call(node: torch.fx.Node) -> bool:
     return node.op == "call_function" and node.target is call_block
 
 
-def outline(gm: torch.fx.GraphModule, compile_fn: CompileFn) -> torch.fx.GraphModule | None:
+def outline(gm: torch.fx.GraphModule, compile_fn: CompileFn,
+            block_compile_fn: CompileFn | None = None) -> torch.fx.GraphModule | None:
     """``gm`` split into segments at its block calls (or, with none, its repeated blocks), each
     compiled at its first call, equal segments sharing one compile; block calls stay as they are.
-    None when ``gm`` has neither."""
+    Segments cut out as blocks compile with ``block_compile_fn`` if given. None when ``gm`` has
+    neither."""
     calls = [n for n in gm.graph.nodes if is_block_call(n)]
+    block_ids = set()
     if calls:
         ids = segment_ids(gm, lambda node: node if is_block_call(node) else None)
     else:
@@ -166,6 +173,7 @@ def outline(gm: torch.fx.GraphModule, compile_fn: CompileFn) -> torch.fx.GraphMo
         if not blocks:
             return None
         ids = segment_ids(gm, blocks.get)
+        block_ids = {f"submod_{ids[n]}" for n in blocks}
     split = split_module(gm, None, lambda node: ids[node], keep_original_order=True)
     groups = defaultdict(list)
     for name, sub in split.named_children():
@@ -173,7 +181,8 @@ def outline(gm: torch.fx.GraphModule, compile_fn: CompileFn) -> torch.fx.GraphMo
             key = structure(sub)
             groups[key if key is not None else name].append((name, sub))
     for members in groups.values():
-        shared = SharedCompile(members[0][1], compile_fn, len(members))
+        fn = block_compile_fn if block_compile_fn is not None and members[0][0] in block_ids else compile_fn
+        shared = SharedCompile(members[0][1], fn, len(members))
         for position, (name, _) in enumerate(members):
             setattr(split, name, Segment(shared, position))
     return split

@@ -16,10 +16,13 @@ forward. Two ways, both automatic:
    one graph for every block (Dynamo keys it on the code; the block's
    parameters are graph inputs and guards keep it right for any block that
    differs). Dynamo's tracing no longer grows with depth either.
-2. **Graph cut** (the fallback, e.g. a model passed in as an argument, or
-   blocks with hooks): Dynamo captures the forward whole, and the backend
-   cuts the graph where Dynamo says each node came from
-   (``backend/segments.py``).
+2. **Graph cut** (the fallback, e.g. a model passed in as an argument,
+   blocks with hooks, or a call passing an object no graph node can take,
+   such as a transformers ``Cache``): Dynamo captures the forward whole, and
+   the backend cuts the graph where Dynamo says each node came from
+   (``backend/segments.py``); equal blocks (the same graph, whatever their
+   ``layer_idx``) share one compile, blocks of another kind (sliding-window
+   layers among full ones) get their own.
 
 Either way the backend splits the captured graph into segments at the
 blocks and compiles the pieces between them; a model with no repeated blocks
@@ -51,6 +54,22 @@ def block_list(model: torch.nn.Module) -> list[torch.nn.Module]:
 def _class_forward(block: torch.nn.Module, *args, **kwargs):
     """The block's own forward (its ``forward`` attribute is routed to ``call_block`` meanwhile)."""
     return type(block).forward(block, *args, **kwargs)
+
+
+# What a graph node's arguments may hold (Dynamo turns these into the node's inputs).
+_PASSABLE = (torch.Tensor, torch.SymInt, torch.SymFloat, torch.SymBool, type(None), bool, int, float, complex, str,
+             torch.dtype, torch.device, torch.layout, torch.memory_format)
+
+
+def _passable(value) -> bool:
+    """Whether ``value`` can be an argument of a ``call_block`` node. A transformers ``Cache``
+    (``use_cache=True``, the default even in training) cannot: the block updates it in place, so
+    such a call is traced where it is made, and Dynamo keeps only what a live object needs."""
+    if isinstance(value, (tuple, list)):
+        return all(_passable(v) for v in value)
+    if isinstance(value, dict):
+        return all(isinstance(k, str) and _passable(v) for k, v in value.items())
+    return isinstance(value, _PASSABLE)
 
 
 def _plain(module: torch.nn.Module) -> bool:
@@ -105,9 +124,11 @@ class BlockCalls:
         return [*block.named_parameters(), *block.named_buffers()]
 
     def _forward(self, index: int):
-        key = self.key
+        key, block = self.key, self.blocks[index]
 
         def forward(*args, **kwargs):
+            if not _passable((args, kwargs)):  # traced where called: the captured graph is cut at it
+                return _class_forward(block, *args, **kwargs)
             return call_block(key, index, args, kwargs, self.tensors[index])
 
         return forward

@@ -88,7 +88,11 @@ class CompiledOptimizerStep:
 
     def __init__(self, optimizer, backend: PassBackend):
         self.optimizer = optimizer
-        self.original = optimizer.step
+        # An LR scheduler wraps ``optimizer.step`` to note the call (torch.optim.lr_scheduler); Dynamo
+        # skips that wrapper's frame, so the update beneath it is what is compiled, and ``_run``
+        # notes the call as the wrapper would.
+        self.scheduled = getattr(optimizer.step, "_wrapped_by_lr_sched", False)
+        self.original = optimizer.step.__wrapped__.__get__(optimizer) if self.scheduled else optimizer.step
         stores = self._attribute_stores(optimizer)
         if stores:
             note("optimizer", f"{type(optimizer).__name__}.step runs eagerly: it assigns attributes "
@@ -99,12 +103,16 @@ class CompiledOptimizerStep:
         self.local_shards = LocalShards(optimizer)  # FSDP2's DTensors: stepped on their local shards
         self.sharded = None  # whether it holds DTensors, found at the first step
         self.call = torch.compiler.disable(self._run, recursive=False)
+        if self.scheduled:  # what the scheduler checks, so it does not warn that step was overridden
+            self.call._wrapped_by_lr_sched = True
         self.zero_grad = torch.compiler.disable(optimizer.zero_grad)
 
     def _run(self, *args, **kwargs):
         # ``self.compiled`` is called from this frame, which Dynamo skips: a helper frame between
         # them would be traced by the enclosing step's compile, the optimizer's step inlined there.
         sources = step_counter_sources(self.optimizer)
+        if self.scheduled:
+            self.optimizer._opt_called = True
         with (self._on_local_shards(), torch.compiler.config.patch(dynamic_sources=sources),
               self._dynamic_floats(sources), self._single_tensor()):
             return self.compiled(*args, **kwargs)

@@ -43,6 +43,7 @@ import torch
 
 from compile_stack import caches
 from compile_stack.backend import PassBackend
+from compile_stack.backend.graph_breaks import logging_as_no_ops
 from compile_stack.backend.inspection import InspectionWriter
 from compile_stack.capture import accumulation_loops
 from compile_stack.capture.blocks import BlockCalls
@@ -142,6 +143,11 @@ class CompiledStep:
         self.running = threading.Lock()
         functools.update_wrapper(self, train_step)
 
+    @property
+    def block_graphs(self) -> int:
+        """The blocks' graphs compiled so far: one per distinct kind of block, however many layers."""
+        return self.backend.block_graphs + sum(calls.backend.graphs for calls in self.block_calls)
+
     def __call__(self, *args, **kwargs):
         if not self.running.acquire(blocking=False):
             raise RuntimeError(f"{getattr(self, '__name__', 'train_step')}: the compiled step is already running "
@@ -164,6 +170,7 @@ class CompiledStep:
                 stack.enter_context(caches.cache_dir_in_force(self.cache_dir))
             stack.enter_context(self.backend.active())  # the backward may be compiled in this call
             stack.enter_context(compiled_resumes(self.step_code, self.bodies))
+            stack.enter_context(logging_as_no_ops())  # a library's warning in traced code is no graph break
             if self.counter_sources:
                 given = torch.compiler.config.dynamic_sources
                 stack.enter_context(torch.compiler.config.patch(

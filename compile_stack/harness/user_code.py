@@ -108,13 +108,18 @@ def check_loss(loss_fn, cfg: ModelConfig, dtype: torch.dtype) -> None:
                          f"{on}, got {got}")
 
 
+def logits_of(output):
+    """A model's logits: its output, or the ``.logits`` of a transformers ``ModelOutput``."""
+    return output if isinstance(output, torch.Tensor) else getattr(output, "logits", output)
+
+
 def check_model(model: torch.nn.Module, cfg: ModelConfig, device: torch.device) -> None:
-    """``--model``'s module maps a few token ids ``[b, s]`` to logits ``[b, s, V]``."""
+    """``--model``'s module maps a few token ids ``[b, s]`` to logits ``[b, s, V]`` (or an output holding them)."""
     b, s = probe_shape(cfg)
     ids = torch.randint(cfg.vocab, (b, s), generator=torch.Generator().manual_seed(0)).to(device)
     try:
         with torch.no_grad():
-            logits = model(ids)
+            logits = logits_of(model(ids))
     except Exception as e:
         raise SystemExit(f"--model: the model failed on token ids [{b}, {s}]: {first_line(e)}") from None
     if not (isinstance(logits, torch.Tensor) and tuple(logits.shape) == (b, s, cfg.vocab)):
@@ -156,7 +161,7 @@ def make_train_step(model, loss_fn, optimizer):
 
     def train_step(inputs, targets):
         optimizer.zero_grad(set_to_none=True)
-        loss = loss_fn(model(inputs), targets).sum()
+        loss = loss_fn(logits_of(model(inputs)), targets).sum()
         loss.backward()
         optimizer.step()
         return loss

@@ -258,14 +258,15 @@ def _learned_scale_grad(region, learned):
 
 
 def _looks_like_attention(x) -> bool:
-    """Whether a bmm feeds the softmax input within a few elementwise/layout steps."""
+    """Whether a bmm (or a baddbmm: BLOOM adds its ALiBi biases so) feeds the softmax input within a
+    few elementwise/layout steps."""
     work, seen = [x], set()
     while work:
         n = work.pop()
         if not isinstance(n, torch.fx.Node) or n in seen or n.op != "call_function" or len(seen) > 64:
             continue
         seen.add(n)
-        if n.target is aten.bmm.default:
+        if n.target in (aten.bmm.default, aten.baddbmm.default):
             return True
         work.extend(n.all_input_nodes)
     return False

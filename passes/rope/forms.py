@@ -267,10 +267,24 @@ def _take(form: Form, axis: int, index: torch.Tensor, keep_axis: bool) -> Form:
     return Form(form.lead, terms if keep_axis else terms.squeeze(axis))
 
 
+def _unpermuted(src, dim: int):
+    """(tensor, dim) to take an item along instead of ``src``'s ``dim``: through a permute that keeps
+    the other dims in order (einops' ``rearrange(x, "... (d two) -> two ... d")``, then items of dim
+    0), the item along the permuted-from dim of the permute's input, the same elements in the same
+    order; ``src`` and ``dim`` themselves otherwise."""
+    if not isinstance(src, torch.fx.Node) or src.target is not aten.permute.default or not isinstance(dim, int):
+        return src, dim
+    perm = [d % len(src.args[1]) for d in src.args[1]]
+    dim %= len(perm)
+    rest = perm[:dim] + perm[dim + 1:]
+    return (src.args[0], perm[dim]) if rest == sorted(rest) else (src, dim)
+
+
 def _select(forms, node, val):
     src, dim, index = node.args
+    src, dim = _unpermuted(src, dim)
     form = forms.of(src)
-    axis = form and _trailing_axis(form, dim, val.dim() + 1)
+    axis = form and _trailing_axis(form, dim, fake_value(src).dim())
     if axis is None or not isinstance(index, int):
         return None
     return _take(form, axis, torch.tensor([index % form.terms.shape[axis]]), keep_axis=False)
@@ -282,9 +296,11 @@ def _piece(forms, node, val):
     if not isinstance(multi, torch.fx.Node) or multi.target not in _PIECES or not isinstance(i, int):
         return None
     src = multi.args[0]
-    form = forms.of(src)
     at = 1 if multi.target is aten.unbind.int else 2  # where the dim argument is
     dim = multi.args[at] if len(multi.args) > at else multi.kwargs.get("dim", 0)
+    if multi.target is aten.unbind.int:
+        src, dim = _unpermuted(src, dim)
+    form = forms.of(src)
     axis = form and _trailing_axis(form, dim, fake_value(src).dim())
     if axis is None:
         return None
