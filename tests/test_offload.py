@@ -221,6 +221,28 @@ def test_a_dense_value_in_another_dim_order_moves_as_its_memory(monkeypatch):
     torch.testing.assert_close(backward(*outputs[1:], None), expected, rtol=0, atol=0)
 
 
+def fused_loss(hidden, weight, targets):
+    loss, _, _ = torch.ops.cstack.linear_cross_entropy_fwd(hidden, weight, targets, -100, "mean")
+    return loss * 2
+
+
+def test_an_item_nothing_in_the_forward_reads_moves_right_after_it(monkeypatch):
+    """The fused loss's weight gradient, made in the forward and only saved: its copy waits for
+    nothing, and comes after the item itself, not after the op's first item."""
+    monkeypatch.setattr(offload, "MIN_BYTES", 1)
+    args = (torch.randn(12, 16), torch.randn(40, 16), torch.randint(0, 40, (12,)))
+    forward, backward = partition_of(fused_loss, args, saved=["getitem_2"])
+    (weight_grad,) = offload.movable_values(forward, backward, 1, CPU)
+    expected = backward(*forward(*args)[1:], None)
+    offload.apply(forward, backward, [weight_grad])
+    forward.graph.lint()
+    (copy_out,) = forward.graph.find_nodes(op="call_function", target=offload.OFFLOAD)
+    assert copy_out.args[0] is weight_grad and copy_out.args[1] == [] and copy_out.prev is weight_grad
+    outputs = forward(*args)
+    assert outputs[1].device == CPU
+    torch.testing.assert_close(backward(*outputs[1:], None), expected, rtol=0, atol=0)
+
+
 @pytest.mark.parametrize("why, fn, saved, min_bytes", [
     ("returned to the caller too", lambda x, w, v: (x @ w).tanh(), ["tanh"], 1),
     ("a view of it is saved", viewed, ["mm", "view"], 1),

@@ -96,6 +96,8 @@ def _order_after(node: fx.Node) -> list[fx.Node] | None:
     readers = _readers(node)
     if readers is None:
         return None
+    if not readers:  # saved only (a gradient an op made in the forward): free to go at once
+        return []
     wanted = set(readers)
     reached: dict[fx.Node, frozenset] = {}  # node -> the readers it depends on
     for later in node.graph.nodes:
@@ -161,7 +163,7 @@ def apply(forward: fx.GraphModule, backward: fx.GraphModule, nodes: list[fx.Node
         val = node.meta["val"]
         order = memory_order(val)
         source, memory = node, val.permute(order)  # memory: val seen contiguous (val itself if it is)
-        anchor = max(after, key=position.__getitem__, default=node)
+        anchor = max([node, *after], key=position.__getitem__)  # a sibling item may come first
         if order != sorted(order):
             with graph.inserting_after(anchor):
                 source = anchor = graph.call_function(torch.ops.aten.permute.default, (node, order))
