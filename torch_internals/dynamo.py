@@ -1,15 +1,17 @@
-"""Dynamo internals: its frame cache, resume frames, the tracer and automatic-dynamic scalars.
+"""Dynamo internals: its frame cache, resume frames, the tracer, automatic-dynamic scalars and
+the functions traced code skips.
 
 Each accessor returns None on a torch that lacks what it reaches for; its callers then leave
 Dynamo's behaviour as it is.
 """
+import contextlib
 import types
 
-from torch._dynamo import eval_frame, resume_execution
+from torch._dynamo import config, eval_frame, resume_execution
 from torch._dynamo.backends.common import aot_autograd
 
 __all__ = ["aot_autograd", "resume_frame_cache", "always_optimized_codes", "cache_entries",
-           "current_tracer", "tensor_variable_type", "automatic_dynamic"]
+           "current_tracer", "tensor_variable_type", "automatic_dynamic", "functions_ignored"]
 
 
 def resume_frame_cache():
@@ -56,3 +58,11 @@ def automatic_dynamic():
     if not hasattr(builder, "process_automatic_dynamic") or not hasattr(pgo, "FrameStateSizeEntry"):
         return None
     return builder, pgo
+
+
+def functions_ignored(functions: set):
+    """Dynamo's config patched so that calls of ``functions`` in traced code are skipped (neither
+    run nor graph breaks); Dynamo's config as it was on a torch without the setting."""
+    if not hasattr(config, "ignore_logging_functions"):
+        return contextlib.nullcontext()
+    return config.patch(ignore_logging_functions=set(config.ignore_logging_functions) | set(functions))

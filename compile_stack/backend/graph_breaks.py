@@ -15,6 +15,7 @@ from pathlib import Path
 import torch
 
 from passes.registry import note
+from torch_internals import dynamo
 
 # The Logger methods traced code calls (warning_once/info_once: transformers adds them to Logger).
 _LOG_METHODS = ("debug", "info", "warning", "warn", "error", "critical", "log", "warning_once", "info_once")
@@ -26,8 +27,7 @@ _OURS = tuple(str(Path(__import__(m).__file__).parent) for m in ("compile_stack"
 def logging_as_no_ops():
     """Dynamo's config, patched so that Logger calls in traced code are skipped, not graph breaks."""
     methods = {m for name in _LOG_METHODS if (m := getattr(logging.Logger, name, None)) is not None}
-    return torch._dynamo.config.patch(
-        ignore_logging_functions=set(torch._dynamo.config.ignore_logging_functions) | methods)
+    return dynamo.functions_ignored(methods)
 
 
 def note_break(gm: torch.fx.GraphModule) -> None:
