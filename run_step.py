@@ -106,7 +106,7 @@ def run(args) -> dict:
 
 
 def record(s: dict, args) -> None:
-    """A compiled run on a GPU: its figures (and the stock step's) for BENCHMARKS.md's table."""
+    """A compiled run on a GPU: its figures (and the stock step's) for docs/benchmarks.md's table."""
     if not (s["compiled"] and s["device"].startswith("cuda") and is_rank0()):
         return
     from benchmarks.results import append_result  # a checkout's file, not part of the package

@@ -1,10 +1,10 @@
-"""The benchmarks' figures, one JSON line per measurement, and BENCHMARKS.md's current-figures table.
+"""The benchmarks' figures, one JSON line per measurement, and docs/benchmarks.md's current-figures table.
 
-The GPU benchmark scripts call ``append_result`` after a run, so the table at the top of
-BENCHMARKS.md is regenerated from what was measured rather than copied by hand:
+The GPU benchmark scripts call ``append_result`` after a run, so the table in
+docs/benchmarks.md is regenerated from what was measured rather than copied by hand:
 
-    python benchmarks/results.py --table                  # print it: the latest entry of each figure
-    python benchmarks/results.py --write BENCHMARKS.md    # replace it between the markers
+    python benchmarks/results.py --table                        # print it: the latest entry of each figure
+    python benchmarks/results.py --write docs/benchmarks.md     # replace it between the markers
 """
 import argparse
 import datetime
@@ -22,7 +22,7 @@ COLUMNS = ("figure", "ours", "anchor, same call", "command", "commit", "date")
 
 
 def default_command() -> str:
-    """This process's command line as BENCHMARKS.md writes it: the script relative to the repository,
+    """This process's command line as docs/benchmarks.md writes it: the script relative to the repository,
     behind torchrun's launch when there is one."""
     script = Path(sys.argv[0]).resolve()
     args = [str(script.relative_to(REPO)) if script.is_relative_to(REPO) else sys.argv[0], *sys.argv[1:]]

@@ -11,7 +11,7 @@ Triton's compiler and the ptxas it ships (ptxas-blackwell for sm_100) run withou
 CPU CI can catch what the interpreter cannot: a kernel that does not compile for a GPU we
 cannot run, a tile config whose pipeline needs more shared memory than a block may have, or
 a change that makes a Gluon kernel spill registers (their speed hangs on them:
-BENCHMARKS.md). The Gluon kernels are compiled for sm_90 only: they use wgmma, which sm_100
+docs/decisions.md). The Gluon kernels are compiled for sm_90 only: they use wgmma, which sm_100
 does not have, and dispatch never runs them there (``hopper_kernels_accept``). Run as its own
 process because the test session defines the kernels in interpreter mode.
 """

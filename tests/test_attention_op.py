@@ -437,7 +437,7 @@ def test_gpu_hopper_kernels_match_reference(b, h, sq, sk, causal, layout, scale,
 def test_gpu_hopper_kernels_step_layouts(dtype):
     """The step's mix: q and k dense, v and dO split from [B, S, H·D] projections. v is read in
     place and out and dv come back in its layout; dO is copied dense (its tiles are read once per
-    key tile: in place measured slower, BENCHMARKS.md)."""
+    key tile: in place measured slower, docs/decisions.md)."""
     q, k = make_qkv(2, 3, 384, 384, 128, dtype, "cuda")[:2]
     v, dout = (make((2, 3, 384, 128), dtype, "cuda", "transposed") for _ in range(2))
     ref = reference(q, k, v, dout, True, 0.125)

@@ -15,7 +15,7 @@ from custom_ops import attention as A
 # Register spill stores per thread the bf16 causal Gluon backward may have, v heads-major and
 # sequence-major: 4 since dK and dV go out through shared memory and TMA stores
 # (configs.HOPPER_BWD_TMA_EPILOGUE), which ran 1.9% faster; 8 with v and dO read and dV written in
-# place, which ran as fast as with v dense (paired runs, BENCHMARKS.md; 16 before the row stats
+# place, which ran as fast as with v dense (paired runs, docs/decisions.md; 16 before the row stats
 # were loaded one tile ahead and dO read in place).
 HOPPER_BWD_SPILL_BYTES = {"hopper_bwd bfloat16": 4, "hopper_bwd bfloat16 v sequence-major": 8}
 # Per head dim the forward, dK/dV, dQ and delta kernels, then the cross-entropy row kernel and
@@ -77,7 +77,7 @@ def test_kernels_compile_for_gpu(arch):
     if arch == 100:
         assert not report["spills"] and not any(name.startswith("hopper") for name in report["shared"])
         return
-    # Measured on an H200 at one rank's shape (BENCHMARKS.md): 0 bytes (the diagonal tiles in a loop
+    # Measured on an H200 at one rank's shape (docs/decisions.md): 0 bytes (the diagonal tiles in a loop
     # of their own) ran 43.0 ms against 43.5 for 80, 100 ran 44.6, and 188 ran 14% slower than 100;
     # at the step's shape the TMA epilogue's 4 bytes ran 1.58 ms (1.9%) faster than 0 without it.
     for name, allowed in HOPPER_BWD_SPILL_BYTES.items():

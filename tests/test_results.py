@@ -1,4 +1,4 @@
-"""benchmarks/results.py: the results file and BENCHMARKS.md's current-figures table, on temporary files."""
+"""benchmarks/results.py: the results file and docs/benchmarks.md's current-figures table, on temporary files."""
 import json
 import re
 
@@ -29,7 +29,7 @@ def test_the_table_keeps_each_figures_latest_entry(tmp_path, capsys):
 def test_write_replaces_only_the_text_between_the_markers(tmp_path):
     path = tmp_path / "results.jsonl"
     results.append_result("step", "9.0 ms", None, "run_step.py", path=path)
-    markdown = tmp_path / "BENCHMARKS.md"
+    markdown = tmp_path / "benchmarks.md"
     head, tail = "# Benchmarks\n\nintro\n", "\n\n## an entry\n\ntext\n"
     markdown.write_text(f"{head}{results.BEGIN}\n| old | table |\n{results.END}{tail}")
     results.main(["--write", str(markdown), "--results", str(path)])
@@ -37,7 +37,7 @@ def test_write_replaces_only_the_text_between_the_markers(tmp_path):
 
 
 def test_a_missing_marker_names_the_file(tmp_path):
-    markdown = tmp_path / "BENCHMARKS.md"
+    markdown = tmp_path / "benchmarks.md"
     markdown.write_text(f"# Benchmarks\n{results.BEGIN}\n| table |\n")
     with pytest.raises(SystemExit, match=re.escape(f"{markdown}: marker not found: {results.END}")):
         results.write(markdown, tmp_path / "results.jsonl")

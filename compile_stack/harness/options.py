@@ -57,7 +57,7 @@ def check_offload(args, p: argparse.ArgumentParser, budget=None) -> None:
 
 
 def offload_label(share: bool | float | None) -> str:
-    """What a figure's name adds for an offload setting (BENCHMARKS.md's table keys on it)."""
+    """What a figure's name adds for an offload setting (docs/benchmarks.md's table keys on it)."""
     return ("" if share is None else ", no activation offload" if share is False
             else ", activation offload" if share is True else f", activation offload ({share:g} of host memory)")
 

@@ -14,7 +14,7 @@ The estimate is deliberately simple and errs high; it is a guard, not a plan.
   budget. For the full preset's block that choice was measured at budgets
   0.02 apart (torch 2.13, since attention reads v in place and writes its
   output in v's layout; the H200's torch 2.11 saved the same at 0.6,
-  BENCHMARKS.md) and is looked up. Any other block is bounded by a line between a floor (the
+  docs/decisions.md) and is looked up. Any other block is bounded by a line between a floor (the
   block input, the rotated queries, and the attention output and its
   log-sum-exp, which our passes mark must-save) and what the partitioner
   saves at budget 1.0 (up to ten d-wide tensors, three d_ff-wide ones, the

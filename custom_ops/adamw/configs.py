@@ -1,7 +1,7 @@
 """The AdamW kernel's launch config.
 
 Fixed on purpose, like the attention tiles: the update is bound by memory bandwidth, and
-``benchmarks/bench_adamw.py`` sweeps the alternatives (BENCHMARKS.md).
+``benchmarks/bench_adamw.py`` sweeps the alternatives (docs/decisions.md).
 """
 
 # Elements and warps per program: 8 elements a thread (one 16-byte bf16 vector per stream)

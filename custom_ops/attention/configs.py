@@ -37,7 +37,7 @@ class AttnConfig:
 # (sm_90); tests/gpu_compile.py checks that the 16-bit rows fit a block's shared memory on
 # sm_90 and on sm_100 (B200). Fixed on purpose: autotuning would cost compile time the
 # whole-step budget does not have. The D=64 and D=128 16-bit rows are the winners of
-# `benchmarks/bench_attention.py --sweep` on an H200 (BENCHMARKS.md); the other rows are
+# `benchmarks/bench_attention.py --sweep` on an H200 (docs/decisions.md); the other rows are
 # untimed guesses.
 _SM90_16BIT = {
     16: AttnConfig(Tiles(128, 64, 4, 3), Tiles(32, 128, 4, 3), Tiles(128, 64, 4, 3)),
@@ -80,17 +80,17 @@ HOPPER_FWD_COMPUTE_REGS = 232  # registers per thread set for the worker compute
 HOPPER_BWD_ROWS = 64
 # The Gluon backward per head dim it takes (on sm_90, 16-bit; others run the Triton kernels): these
 # query rows by 128 keys, 8 warps; the depth of its Q/dO ring as measured on the H200
-# (BENCHMARKS.md): D=128 2 (3 ran 10% slower), D=64 5 (3.32 ms against 3.63 at 2).
+# (docs/decisions.md): D=128 2 (3 ran 10% slower), D=64 5 (3.32 ms against 3.63 at 2).
 HOPPER_BWD = {d: Tiles(block_m=HOPPER_BWD_ROWS, block_n=128, num_warps=8, num_stages=stages)
               for d, stages in ((64, 5), (128, 2))}
 # Whether the backward runs its causal diagonal tiles (the two whose keys reach past some of their
 # queries) in a loop of their own before an unmasked loop over the rest, per head dim. At D=128
 # that leaves ptxas no spills (80 B with the mask tested in the loop) and ran 0.9-1.6% faster on
-# the H200; at D=64 (no spills either way) 4% slower (BENCHMARKS.md, 2026-12-01 fifth session).
+# the H200; at D=64 (no spills either way) 4% slower (docs/decisions.md, 67fd7d2).
 HOPPER_BWD_PEEL_DIAGONAL = {64: False, 128: True}
 # Whether the backward writes dK and dV through K's and V's shared-memory tiles and TMA stores,
 # per head dim, instead of straight from registers: at D=128 1.58 ms (1.9%) faster on the H200, at
-# D=64 0.74 ms (22%) slower (paired runs, BENCHMARKS.md, 2026-12-01 seventh session).
+# D=64 0.74 ms (22%) slower (paired runs, docs/decisions.md, 76e270a).
 HOPPER_BWD_TMA_EPILOGUE = {64: False, 128: True}
 HOPPER_HEAD_DIMS = tuple(HOPPER_BWD)
 DQ_FRAGMENT_ROW = 256  # the fp32 dQ buffer seen as rows of 256 for its TMA descriptor (the box's widest)

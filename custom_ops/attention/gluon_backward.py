@@ -194,7 +194,7 @@ def _attn_bwd_hopper_kernel(q_desc, k_desc, v_desc, do_desc, dq_desc, DK, DV, ST
     args = (q_desc, do_desc, dq_desc, k_smem, v_smem, q_smem, do_smem, p_smem, ds_smem, dq_smem, dq_box, ready, STATS,
             qk_scale, scale, q_row0, do_shift, do_col, lo, n_iter, offs_m, cols)
     # Each tile's row stats are loaded one tile ahead, so their latency is not waited for
-    # (1.3% faster at one rank's shape, BENCHMARKS.md).
+    # (1.3% faster at one rank's shape, docs/decisions.md).
     stats = _load_row_stats(STATS, q_row0 + lo, offs_m)
     if PEEL_DIAGONAL:  # causal: the tiles reaching the diagonal, then an unmasked loop (configs.py says why)
         for i in range(BLOCK_N // BLOCK_M):
@@ -210,7 +210,7 @@ def _attn_bwd_hopper_kernel(q_desc, k_desc, v_desc, do_desc, dq_desc, DK, DV, ST
     for i in gl.static_range(STAGES):
         mbarrier.invalidate(ready.index(i))
     # The key rows' base again from q_row0: one register less live through the loop, which
-    # ptxas repays with fewer spills and the kernel with less time (BENCHMARKS.md).
+    # ptxas repays with fewer spills and the kernel with less time (docs/decisions.md).
     if TMA_EPILOGUE:  # through K's and V's tiles in shared memory: no matmul reads them any more
         gl.thread_barrier()
         k_smem.store(dk.to(dtype))

@@ -4,7 +4,7 @@ tensor descriptors the launchers build.
 The kernels: a warp-specialized forward (``gluon_forward.hopper_fwd``) and a one-pass backward
 (``gluon_backward.hopper_bwd``: five tile matmuls per tile pair where the two Triton kernels need
 seven). The CUDA ops run them on the inputs ``uses_hopper_kernels`` accepts (16-bit, D = 64 or
-128, whole 128-row tiles); BENCHMARKS.md has the figures. q and k are read dense; v and dO dense
+128, whole 128-row tiles); docs/decisions.md has the figures. q and k are read dense; v and dO dense
 or sequence-major (``layouts``: heads split off a projection, or the gradient of such an output),
 in place, with out and dv written in v's layout.
 """

@@ -5,7 +5,7 @@ compute warp groups of 64 queries each, 128-key K/V tiles in a 3-deep shared-mem
 group issues its QKᵀ of tile j and its P·V of tile j-1 together (P the register operand). ptxas
 writes tile j's P into the registers P·V reads, so it waits for P·V before the softmax: one
 group's softmax runs under the other group's matmuls, not under its own (a wait placed after
-the softmax ran no faster, BENCHMARKS.md). The groups sync with the load warp through mbarriers
+the softmax ran no faster, docs/decisions.md). The groups sync with the load warp through mbarriers
 only, never with each other.
 """
 import torch

@@ -5,7 +5,7 @@ launchers ``triton_fwd``, ``triton_bwd``. They run on any CUDA GPU, and on CPU t
 Every tile of q, k, v, dO and O is read through a TMA tensor descriptor over the
 [Z, H, S, D] tensor: the copy engine does the address arithmetic and the bounds (rows
 past S read as zeros), which measured faster than pointer loads on the H200
-(BENCHMARKS.md). Outputs are fresh tensors in the ops' layouts (``layouts``), written through
+(docs/decisions.md). Outputs are fresh tensors in the ops' layouts (``layouts``), written through
 descriptors as well (rows past S are not written).
 """
 import math

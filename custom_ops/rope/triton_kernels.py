@@ -3,7 +3,7 @@
 A vector is loaded whole (contiguous, vectorised) and its pairs are separated in registers
 (``tl.reshape`` + ``tl.split`` for neighbouring pairs, two half loads for pairs D/2 apart);
 Inductor's code for the same math loads each member with its own strided, masked load and runs
-at about half the memory's rate (BENCHMARKS.md). Rows may be strided over up to three leading
+at about half the memory's rate (docs/decisions.md). Rows may be strided over up to three leading
 dims (a view of a projection's output, a broadcast table); the result is written contiguous.
 Runs on any CUDA GPU and, under ``TRITON_INTERPRET=1``, on CPU tensors.
 """

@@ -73,7 +73,7 @@ def _dense(graph, node, keep_sequence_major=False):
     ``keep_sequence_major`` and it is one: the kernels read v and the output grad in place in that
     layout). q and k are [S, H·D] matmul outputs seen head-major when a rank holds one sequence,
     and the Hopper kernels read dense [S, D] rows of them. Left to the op, the copy was aten's strided
-    copy (2.4× slower than Inductor's on the H200, BENCHMARKS.md), in the forward and again in the
+    copy (2.4× slower than Inductor's on the H200, docs/decisions.md), in the forward and again in the
     backward; here Inductor generates it, and the partitioner saves or recomputes it as it does
     the rest."""
     val = fake_value(node)
