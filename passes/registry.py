@@ -137,7 +137,7 @@ def load_all() -> dict[str, RegisteredPass]:
 
 
 def resolve(names: Iterable[str] | None) -> list[RegisteredPass]:
-    """The registered passes named, in stage order; by default the project's pipeline.
+    """The registered passes named, in pipeline order; by default the project's pipeline.
 
     The pipeline is every pass defined in ``PASS_MODULES``; a pass registered
     elsewhere (a test's probe, a user's experiment) runs only when named.
@@ -150,7 +150,14 @@ def resolve(names: Iterable[str] | None) -> list[RegisteredPass]:
         if unknown:
             raise ValueError(f"passes: unknown pass {unknown}; expected some of {sorted(registry)}")
         chosen = [registry[n] for n in names]
-    return sorted(chosen, key=lambda p: STAGES.index(p.stage))
+    return sorted(chosen, key=_pipeline_position)
+
+
+def _pipeline_position(p: RegisteredPass) -> tuple[int, int]:
+    """Stage, then ``PASS_MODULES``' order (the passes of one stage see each other's rewrites:
+    RoPE before attention), whatever order the modules were imported in; other passes last."""
+    module = PASS_MODULES.index(p.fn.__module__) if p.fn.__module__ in PASS_MODULES else len(PASS_MODULES)
+    return STAGES.index(p.stage), module
 
 
 class StagePass(inductor.CustomGraphPass):

@@ -110,6 +110,16 @@ def test_default_pipeline_is_the_project_passes_only():
     assert [p.name for p in registry.resolve(["test_only_probe"])] == ["test_only_probe"]
 
 
+def test_pipeline_order_is_the_modules_order_whatever_was_imported_first(monkeypatch):
+    """A test or user importing passes.attention before passes.rope registers attention first;
+    the pipeline still runs RoPE first (attention run first left it a third match per layer)."""
+    registry.load_all()
+    monkeypatch.setattr(registry, "_PASSES", dict(reversed(registry._PASSES.items())))
+    assert [p.name for p in registry.resolve(None)] == [
+        "param_data", "rope", "attention", "cross_entropy", "adamw", "linalg_qr", "newton_schulz"]
+    assert [p.name for p in registry.resolve(["attention", "rope"])] == ["rope", "attention"]
+
+
 def _failing_pass(edit_first: bool):
     def fail(graph):
         if edit_first:
