@@ -33,8 +33,9 @@ _COMPILES: dict[int, tuple[subprocess.Popen, IO[str], IO[str]]] = {}  # arch -> 
 
 def start_compile(arch: int) -> None:
     """Start ``gpu_compile.py --arch`` in the background unless started already. conftest.py starts
-    the selected ones once the session is collected, so they run beside the other tests, on a
-    second core, at a lower priority (the two took 83 s of a 2-core machine's 11.5-minute suite)."""
+    the selected ones once the session is collected (in one process, not under pytest-xdist), so
+    they run beside the other tests, on a second core, at a lower priority (the two took 83 s of a
+    2-core machine's 11.5-minute suite)."""
     if arch in _COMPILES:
         return
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}

@@ -41,4 +41,4 @@ def test_ci_runs_the_readme_install_and_test_commands():
           if line.startswith(("pip ", "python -m pytest"))]
     cpu = readme[0].split(" --index-url ")[0]  # CI cannot reach the CPU line's index; its own has the build
     assert ci == [cpu, *readme[-2:]]
-    assert readme[-2:] == ['pip install -e ".[test]"', "python -m pytest -q"]
+    assert readme[-2:] == ['pip install -e ".[test]"', "python -m pytest -q -n 2"]
