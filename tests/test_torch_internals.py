@@ -174,3 +174,25 @@ def test_fsdp_state_entry_points():
     # _mp_policy and _modules are set by fully_shard: tests/test_distributed.py runs them.
     assert fsdp.forward_root(state) is None
     assert fsdp.state_of(torch.nn.Linear(2, 2)) is None
+
+
+def test_skipped_functions_leave_dynamos_compile_metrics_writable(monkeypatch):
+    """Two Logger methods skipped: Dynamo's metrics still serialize its config here, and on a torch
+    that sorts the set (2.11's logging, simulated) they go without it instead of raising."""
+    import logging
+
+    from torch._dynamo import utils
+
+    methods = {logging.Logger.info, logging.Logger.warning}
+    with dynamo.functions_ignored(methods):
+        assert methods <= torch._dynamo.config.ignore_logging_functions
+        utils._get_dynamo_config_for_logging()  # no TypeError on this torch
+    assert not methods & torch._dynamo.config.ignore_logging_functions
+
+    def sorts_every_set():
+        return str(sorted(torch._dynamo.config.ignore_logging_functions))
+
+    monkeypatch.setattr(utils, "_get_dynamo_config_for_logging", sorts_every_set)
+    with dynamo.functions_ignored(methods):
+        assert utils._get_dynamo_config_for_logging() is None
+    assert utils._get_dynamo_config_for_logging is sorts_every_set

@@ -7,7 +7,7 @@ Dynamo's behaviour as it is.
 import contextlib
 import types
 
-from torch._dynamo import config, eval_frame, resume_execution
+from torch._dynamo import config, eval_frame, resume_execution, utils
 from torch._dynamo.backends.common import aot_autograd
 
 __all__ = ["aot_autograd", "resume_frame_cache", "always_optimized_codes", "cache_entries",
@@ -60,9 +60,31 @@ def automatic_dynamic():
     return builder, pgo
 
 
+@contextlib.contextmanager
 def functions_ignored(functions: set):
     """Dynamo's config patched so that calls of ``functions`` in traced code are skipped (neither
-    run nor graph breaks); Dynamo's config as it was on a torch without the setting."""
+    run nor graph breaks); Dynamo's config as it was on a torch without the setting.
+
+    Where Dynamo's compile metrics cannot write the patched set (torch 2.11 sorts every set of
+    its config and leaves this one out of its blocklist: functions do not sort, and each compile
+    logged a traceback), the metrics go without Dynamo's config while the patch is in force."""
     if not hasattr(config, "ignore_logging_functions"):
-        return contextlib.nullcontext()
-    return config.patch(ignore_logging_functions=set(config.ignore_logging_functions) | set(functions))
+        yield
+        return
+    with contextlib.ExitStack() as stack:
+        stack.enter_context(config.patch(ignore_logging_functions=set(config.ignore_logging_functions) | set(functions)))
+        try:
+            utils._get_dynamo_config_for_logging()
+        except TypeError:
+            stack.enter_context(_attribute(utils, "_get_dynamo_config_for_logging", lambda: None))
+        yield
+
+
+@contextlib.contextmanager
+def _attribute(owner, name: str, value):
+    saved = getattr(owner, name)
+    setattr(owner, name, value)
+    try:
+        yield
+    finally:
+        setattr(owner, name, saved)
