@@ -6,6 +6,7 @@ Dynamo's behaviour as it is.
 """
 import contextlib
 import types
+from unittest import mock
 
 from torch._dynamo import config, eval_frame, resume_execution, utils
 from torch._dynamo.backends.common import aot_autograd
@@ -76,15 +77,5 @@ def functions_ignored(functions: set):
         try:
             utils._get_dynamo_config_for_logging()
         except TypeError:
-            stack.enter_context(_attribute(utils, "_get_dynamo_config_for_logging", lambda: None))
+            stack.enter_context(mock.patch.object(utils, "_get_dynamo_config_for_logging", lambda: None))
         yield
-
-
-@contextlib.contextmanager
-def _attribute(owner, name: str, value):
-    saved = getattr(owner, name)
-    setattr(owner, name, value)
-    try:
-        yield
-    finally:
-        setattr(owner, name, saved)
