@@ -38,6 +38,11 @@ def first_step(layers: int, cache: Path, fresh: bool, args) -> dict:
         return {"compile_s": json.loads(Path(summary.name).read_text())["compile_s"], "wall_s": round(wall, 1)}
 
 
+def warm_firsts(row: dict) -> str:
+    """A depth's warm first steps, as the table and the record show them."""
+    return " / ".join(f"{w['compile_s']:.1f}" for w in row["warm"])
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--layers", default="2,8,34", help="comma-separated depths (default 2,8,34)")
@@ -68,16 +73,15 @@ def main(argv=None) -> int:
 
     print(f"\n{'layers':>6}  {'cold first step':>16}  {'warm first step':>24}  (process wall, s)")
     for row in rows:
-        warm = " / ".join(f"{w['compile_s']:.1f}" for w in row["warm"])
         walls = " / ".join(f"{w['wall_s']:.0f}" for w in row["warm"])
-        print(f"{row['layers']:>6}  {row['cold']['compile_s']:>14.1f} s  {warm:>22} s  "
+        print(f"{row['layers']:>6}  {row['cold']['compile_s']:>14.1f} s  {warm_firsts(row):>22} s  "
               f"(cold {row['cold']['wall_s']:.0f}, warm {walls})")
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(rows, indent=1) + "\n")
     if args.record:
-        figures = "; ".join(f"{r['layers']} layers: cold {r['cold']['compile_s']:.1f} s, warm "
-                            + " / ".join(f"{w['compile_s']:.1f}" for w in r["warm"]) + " s" for r in rows)
+        figures = "; ".join(f"{r['layers']} layers: cold {r['cold']['compile_s']:.1f} s, warm {warm_firsts(r)} s"
+                            for r in rows)
         base, deepest = rows[0], rows[-1]
         best = lambda row: min(w["compile_s"] for w in row["warm"])  # noqa: E731
         against = (f"{deepest['layers']} against {base['layers']} layers, same call: warm "
