@@ -35,6 +35,8 @@ SIZES = dict(hidden_size=4096, num_attention_heads=32, num_key_value_heads=8, in
 
 def ensure(module: str, wheels: list[Path], site: Path) -> None:
     """Import ``module``, installing ``wheels`` offline into ``site`` first if it is missing."""
+    if site.is_dir() and str(site) not in sys.path:  # installed there by an earlier process
+        sys.path.insert(0, str(site))
     try:
         __import__(module)
         return
@@ -44,7 +46,8 @@ def ensure(module: str, wheels: list[Path], site: Path) -> None:
         raise SystemExit(f"{module} is missing and no wheels for it are in {WHEELS}")
     subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--no-index", "--no-compile",
                     "--target", str(site), *map(str, wheels)], check=True)
-    sys.path.insert(0, str(site))
+    if str(site) not in sys.path:
+        sys.path.insert(0, str(site))
     __import__(module)
 
 
