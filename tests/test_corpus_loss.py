@@ -176,8 +176,7 @@ def weighted_tokens(logits, targets):
 CASES = {
     # the head, loss fixed to the plain flattened mean
     "linear": (model(), ce_flat_mean, REPLACED),
-    # the op takes no bias: a biased head stays as written, with a note (see the pass's docstring)
-    "linear_bias": (model(bias=True), ce_flat_mean, LEFT_ALONE),
+    "linear_bias": (model(bias=True), ce_flat_mean, REPLACED),
     "matmul_T": (model(head="matmul"), ce_flat_mean, REPLACED),
     "F_linear": (model(head="F.linear"), ce_flat_mean, REPLACED),
     "einsum": (model(head="einsum"), ce_flat_mean, REPLACED),

@@ -191,6 +191,56 @@ def test_a_loss_over_logits_from_another_graph_is_left_alone_with_a_note():
                for n in current().notes), current().notes
 
 
+class BiasedLM(nn.Module):
+    """A user's model: an embedding, then ``nn.Linear(d, V, bias=True)`` as the LM head (addmm in the
+    joint graph), or its parameters spelled ``x @ W.T + b`` (mm, then an add of the bias)."""
+
+    def __init__(self, vocab: int, d: int, head: str):
+        super().__init__()
+        self.embedding = nn.Embedding(vocab, d)
+        self.lm_head = nn.Linear(d, vocab, bias=True)
+        self.head = head
+
+    def forward(self, ids):
+        x = self.embedding(ids)
+        return self.lm_head(x) if self.head == "linear" else x @ self.lm_head.weight.T + self.lm_head.bias
+
+
+@pytest.mark.parametrize(
+    "head, loss_fn, dtype",
+    [("linear", library_mean, torch.float32), ("add", library_sum_ignore, torch.float32),
+     ("linear", hand_logsumexp_mean, torch.bfloat16)],
+    ids=lambda p: getattr(p, "__name__", str(p)),
+)
+def test_head_with_bias_replaced(head, loss_fn, dtype):
+    """The bias goes into the op, and its gradient (a sum of the logits gradient over rows) comes from it."""
+    vocab, d = 53, 8
+    model = BiasedLM(vocab, d, head).to(dtype)
+    ids, targets = _inputs(vocab, 2, 9)
+    graphs = _compile_and_compare(model, loss_fn, ids, targets, dtype)
+    assert current().replacements["cross_entropy"] == 1
+    assert _has_fwd_op(graphs[0]) and _largest_tensor(graphs) == vocab * d
+
+
+def test_bias_used_elsewhere_too_keeps_its_other_gradient():
+    """A penalty on the bias as well: its gradient is the op's plus the penalty's, as in eager."""
+    vocab, d = 53, 8
+    model = BiasedLM(vocab, d, "linear")
+    ids, targets = _inputs(vocab, 2, 9)
+    loss_fn = lambda logits, t: library_mean(logits, t) + 0.1 * model.lm_head.bias.pow(2).sum()  # noqa: E731
+    _compile_and_compare(model, loss_fn, ids, targets, torch.float32)
+    assert current().replacements["cross_entropy"] == 1
+
+
+def test_head_with_bias_and_logits_used_elsewhere_left_alone_with_note():
+    vocab, d = 53, 8
+    model = BiasedLM(vocab, d, "add")
+    ids, targets = _inputs(vocab, 2, 9)
+    graphs = _compile_and_compare(model, extra_logits_term, ids, targets, torch.float32)
+    assert current().replacements["cross_entropy"] == 0 and not any(_has_fwd_op(g) for g in graphs)
+    assert any(n.startswith("cross_entropy: left") for n in current().notes), current().notes
+
+
 def test_frozen_hidden_only_weight_gradient():
     """The head's input needs no gradient: only d(weight) is rewired, logits still vanish."""
     vocab, d = 257, 16

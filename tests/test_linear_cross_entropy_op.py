@@ -37,21 +37,21 @@ def make_inputs(t, d, v, *, ignore=True, dtype=torch.float32, device="cpu", igno
     return hidden, weight, targets
 
 
-def reference(hidden, weight, targets, ignore_index=-100, reduction="mean", upstream=1.0):
-    """Loss and gradients of upstream · cross_entropy(hidden @ weightᵀ) in float64."""
-    h = hidden.detach().double().requires_grad_()
-    w = weight.detach().double().requires_grad_()
-    loss = F.cross_entropy(h @ w.T, targets, ignore_index=ignore_index, reduction=reduction)
+def reference(hidden, weight, targets, ignore_index=-100, reduction="mean", upstream=1.0, bias=None):
+    """Loss and gradients (hidden's, weight's, bias's if any) of upstream · cross_entropy(hidden @ weightᵀ + bias)
+    in float64."""
+    params = [t.detach().double().requires_grad_() for t in (hidden, weight, bias) if t is not None]
+    logits = params[0] @ params[1].T + (params[2] if bias is not None else 0)
+    loss = F.cross_entropy(logits, targets, ignore_index=ignore_index, reduction=reduction)
     (loss * upstream).backward()
-    return loss.detach(), h.grad, w.grad
+    return loss.detach(), *(p.grad for p in params)
 
 
-def run_op(hidden, weight, targets, upstream, **kwargs):
-    h = hidden.detach().clone().requires_grad_()
-    w = weight.detach().clone().requires_grad_()
-    loss = linear_cross_entropy(h, w, targets, **kwargs)
+def run_op(hidden, weight, targets, upstream, bias=None, **kwargs):
+    params = [t.detach().clone().requires_grad_() for t in (hidden, weight, bias) if t is not None]
+    loss = linear_cross_entropy(*params[:2], targets, bias=params[2] if bias is not None else None, **kwargs)
     (loss * upstream).backward()
-    return loss.detach(), h.grad, w.grad
+    return loss.detach(), *(p.grad for p in params)
 
 
 @pytest.mark.parametrize("reduction", ["mean", "sum"])
@@ -74,7 +74,8 @@ def test_triton_chunk_loop_matches_float64(reduction, ignore):
     """The CUDA path's loop and row kernel, on CPU tensors under the interpreter."""
     hidden, weight, targets = make_inputs(T, D, V, ignore=ignore, device=TRITON_DEVICE)
     with chunk_tokens(CHUNK):
-        loss, gh, gw = fwd_chunked(hidden, weight, targets, -100, reduction, xent_rows_triton_)
+        loss, gh, gw, gb = fwd_chunked(hidden, weight, targets, -100, reduction, xent_rows_triton_)
+    assert gb.numel() == 0
     ref_loss, ref_gh, ref_gw = reference(hidden, weight, targets, reduction=reduction)
     tol = 1e-3 if HAS_CUDA else 1e-5  # TF32 matmuls on the GPU
     assert rel_err(loss, ref_loss) < tol
@@ -107,6 +108,38 @@ def test_triton_rows_several_blocks(dtype):
     assert rel_err(logits, ref_g) < tol
     assert (logits[4] == 0).all() and loss_rows[4] == 0
     assert flag.item() == 0
+
+
+BIAS_TOL = {torch.float32: 1e-5, torch.float16: 1e-2}
+
+
+@pytest.mark.parametrize("path", ["cpu", pytest.param("triton", marks=needs_triton)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("reduction", ["mean", "sum"])
+def test_bias_matches_float64(path, dtype, reduction):
+    """A head with a bias, T=7, V=13, d=5 in chunks of 3 (the last ragged), rows 3 ignored: the op's d bias
+    is the column sum of d logits over the kept rows, in the bias's dtype; fp16 also through Triton."""
+    hidden, weight, targets = make_inputs(7, 5, 13, dtype=dtype, device=TRITON_DEVICE if path == "triton" else "cpu")
+    bias = torch.randn(13, device=hidden.device).to(dtype)
+    with chunk_tokens(3):
+        if path == "cpu":  # through autograd, scaled by an upstream gradient
+            got = run_op(hidden, weight, targets, 2.5, bias=bias, reduction=reduction)
+        else:
+            got = fwd_chunked(hidden, weight, targets, -100, reduction, xent_rows_triton_, bias)
+    ref = reference(hidden, weight, targets, reduction=reduction, upstream=2.5 if path == "cpu" else 1.0, bias=bias)
+    assert got[3].dtype == dtype and got[3].shape == (13,)
+    tol = 1e-3 if HAS_CUDA and path == "triton" else BIAS_TOL[dtype]  # TF32 matmuls on the GPU
+    for a, e in zip(got, ref):
+        assert rel_err(a, e) < tol
+
+
+def test_bias_all_ignored():
+    """No kept row: d bias is 0 like the other gradients (sum), the mean NaN like F.cross_entropy's."""
+    hidden, weight, _ = make_inputs(7, 5, 13)
+    bias, targets = torch.randn(13), torch.full((7,), -100)
+    loss, gh, gw, gb = run_op(hidden, weight, targets, 1.0, bias=bias, reduction="sum")
+    assert loss == 0 and (gh == 0).all() and (gw == 0).all() and (gb == 0).all()
+    assert torch.isnan(linear_cross_entropy(hidden, weight, targets, bias=bias))
 
 
 def test_leading_dims_flattened():
@@ -147,15 +180,18 @@ def test_half_precision_cpu(dtype):
         assert rel_err(a, e) < 1e-2
 
 
+@pytest.mark.parametrize("bias", [False, True])
 @pytest.mark.parametrize("public", [True, False])
 @pytest.mark.parametrize("reduction", ["mean", "sum"])
-def test_opcheck(public, reduction):
+def test_opcheck(public, reduction, bias):
     hidden, weight, targets = make_inputs(19, 8, 37)
+    b = torch.randn(37) if bias else None
     if public:
-        args = (hidden.requires_grad_(), weight.requires_grad_(), targets, -100, reduction)
+        args = (hidden.requires_grad_(), weight.requires_grad_(), targets, -100, reduction,
+                b.requires_grad_() if bias else None)
         op = torch.ops.cstack.linear_cross_entropy.default
     else:
-        args = (hidden, weight, targets, -100, reduction)
+        args = (hidden, weight, targets, -100, reduction, b)
         op = torch.ops.cstack.linear_cross_entropy_fwd.default
     with chunk_tokens(8):
         torch.library.opcheck(op, args)
@@ -219,12 +255,17 @@ def _bad_input_cases():
     yield "targets", (h, w, t[:-1], -100, "mean")
     yield "targets", (h, w, t.to("meta"), -100, "mean")
     yield "reduction", (h, w, t, -100, "none")
+    b = torch.randn(V)
+    yield "bias", (h, w, t, -100, "mean", b[:-1])
+    yield "bias", (h, w, t, -100, "mean", b[None])
+    yield "bias", (h, w, t, -100, "mean", b.double())
+    yield "bias", (h, w, t, -100, "mean", b.to("meta"))
 
 
 @pytest.mark.parametrize("entry", ["python", "op", "fake"])
 def test_bad_inputs_raise(entry):
     for arg, args in _bad_input_cases():
-        with pytest.raises(ValueError, match=f"^{arg}: expected"):
+        with pytest.raises(ValueError, match=f"^{arg}: expected[^\n]*$"):
             if entry == "python":
                 linear_cross_entropy(*args)
             elif entry == "op":

@@ -3,23 +3,24 @@
 At T = 65,536 tokens and V = 151,936 the logits alone are 20 GB in bf16, so the
 op walks the tokens in chunks whose logits stay under ``CHUNK_BYTES``. Per chunk:
 
-    logits = h_chunk @ Wᵀ                       (cuBLAS, input dtype)
+    logits = h_chunk @ Wᵀ (+ bias)              (cuBLAS, input dtype)
     row kernel, in place: logits ← (softmax − onehot(target)) · scale,
                           loss_rows ← logsumexp − logit[target]      (fp32)
-    grad_hidden[chunk] = G @ W ;  grad_weight += Gᵀ @ h_chunk
+    grad_hidden[chunk] = G @ W ;  grad_weight += Gᵀ @ h_chunk ;  grad_bias += Σ_rows G   (fp32)
 
 so the gradients come out of the forward at the cost of the three matmuls that
 any fused design needs; the backward only multiplies them by the upstream
 gradient. scale is 1/count for "mean" (count of non-ignored targets, computed on
 device: no host sync) and 1 for "sum"; ignored rows get zero loss and gradient.
 
-Ops:
+Ops (the bias optional, [V], weight's dtype and device):
   * ``cstack::linear_cross_entropy_fwd(hidden, weight, targets, ignore_index,
-    reduction) -> (loss, grad_hidden, grad_weight)``: the work; no autograd.
+    reduction, bias=None) -> (loss, grad_hidden, grad_weight, grad_bias)``: the
+    work; no autograd. grad_bias is empty without a bias (an op's output cannot be None).
   * ``cstack::linear_cross_entropy(hidden, weight, targets, ignore_index,
-    reduction) -> loss``: differentiable in hidden and weight. A
+    reduction, bias=None) -> loss``: differentiable in hidden, weight and bias. A
     CompositeImplicitAutograd op: under autograd (eager or AOTAutograd tracing)
-    it becomes the fwd op in the forward graph and two scalar multiplies in the
+    it becomes the fwd op in the forward graph and scalar multiplies in the
     backward graph. A custom_op with register_autograd cannot do that, since its
     backward only sees the op's inputs and outputs and the gradients are neither.
 

@@ -17,6 +17,8 @@ it raises ValueError if any call since the last check saw such a target, and
 resets the flag. A bad target is reported once: whichever of the two raises
 first clears the record the other keeps of it.
 """
+from typing import Optional
+
 import torch
 from torch.utils.flop_counter import register_flop_formula
 
@@ -41,7 +43,7 @@ def check_targets_flag() -> None:
         )
 
 
-def _check_args(hidden, weight, targets, ignore_index, reduction) -> None:
+def _check_args(hidden, weight, targets, ignore_index, reduction, bias) -> None:
     check_tensor("hidden", hidden, ndim=2, dtypes=FLOAT_DTYPES)
     check_tensor("weight", weight, ndim=2)
     check_like("weight", weight, "hidden", hidden)
@@ -54,12 +56,18 @@ def _check_args(hidden, weight, targets, ignore_index, reduction) -> None:
             tuple(targets.shape))
     require(isinstance(ignore_index, int), "ignore_index", "an int", type(ignore_index).__name__)
     require(reduction in REDUCTIONS, "reduction", " or ".join(map(repr, REDUCTIONS)), repr(reduction))
+    if bias is not None:
+        check_tensor("bias", bias, ndim=1)
+        check_like("bias", bias, "weight", weight)
+        require(bias.shape[0] == weight.shape[0], "bias", f"shape ({weight.shape[0]},) (weight's V)",
+                tuple(bias.shape))
 
 
-def fwd_chunked(hidden, weight, targets, ignore_index: int, reduction: str, rows_fn):
+def fwd_chunked(hidden, weight, targets, ignore_index: int, reduction: str, rows_fn, bias=None):
     """The chunk loop shared by both devices; ``rows_fn`` is the row kernel (Triton or torch).
 
-    Matmuls run in hidden's dtype; grad_weight accumulates in weight's dtype (addmm_).
+    Matmuls run in hidden's dtype; grad_weight accumulates in weight's dtype (addmm_), grad_bias
+    (the column sums of the logits' gradient; ignored rows' are 0) in fp32. Without a bias it is empty.
     """
     T, V = hidden.shape[0], weight.shape[0]
     targets = targets.contiguous()
@@ -71,6 +79,7 @@ def fwd_chunked(hidden, weight, targets, ignore_index: int, reduction: str, rows
     loss_rows = torch.empty(T, dtype=torch.float32, device=hidden.device)
     grad_hidden = hidden.new_empty(hidden.shape)
     grad_weight = weight.new_zeros(weight.shape)
+    grad_bias = torch.zeros(V if bias is not None else 0, dtype=torch.float32, device=weight.device)
     flag = targets_flag(hidden.device)
     n = chunk_tokens_for(T, V, hidden.element_size())
     buf = hidden.new_empty((min(n, T), V))
@@ -78,43 +87,55 @@ def fwd_chunked(hidden, weight, targets, ignore_index: int, reduction: str, rows
         end = min(start + n, T)
         h = hidden[start:end]
         g = buf[: end - start]
-        torch.mm(h, weight.t(), out=g)
+        if bias is None:
+            torch.mm(h, weight.t(), out=g)
+        else:
+            torch.addmm(bias, h, weight.t(), out=g)
         rows_fn(g, targets[start:end], loss_rows[start:end], scale, flag, ignore_index)
         torch.mm(g, weight, out=grad_hidden[start:end])
         grad_weight.addmm_(g.t(), h)
+        if bias is not None:
+            grad_bias += g.sum(0, dtype=torch.float32)
     loss = loss_rows.sum()
     if reduction == "mean":
         loss = loss / count
-    return loss.to(hidden.dtype), grad_hidden, grad_weight
+    return loss.to(hidden.dtype), grad_hidden, grad_weight, grad_bias.to(weight.dtype)
 
 
 @torch.library.custom_op("cstack::linear_cross_entropy_fwd", mutates_args=(), device_types="cuda")
 def linear_cross_entropy_fwd(
-    hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, ignore_index: int, reduction: str
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(loss, d loss/d hidden, d loss/d weight) of cross_entropy(hidden @ weightᵀ, targets)."""
-    _check_args(hidden, weight, targets, ignore_index, reduction)
-    return fwd_chunked(hidden, weight, targets, ignore_index, reduction, xent_rows_triton_)
+    hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, ignore_index: int, reduction: str,
+    bias: Optional[torch.Tensor] = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(loss, d hidden, d weight, d bias) of cross_entropy(hidden @ weightᵀ + bias, targets).
+
+    d bias is empty without a bias: a custom op's outputs cannot be None.
+    """
+    _check_args(hidden, weight, targets, ignore_index, reduction, bias)
+    return fwd_chunked(hidden, weight, targets, ignore_index, reduction, xent_rows_triton_, bias)
 
 
 @linear_cross_entropy_fwd.register_kernel("cpu")
-def _fwd_cpu(hidden, weight, targets, ignore_index, reduction):
-    _check_args(hidden, weight, targets, ignore_index, reduction)
-    loss, grad_hidden, grad_weight = fwd_chunked(
-        hidden.float(), weight.float(), targets, ignore_index, reduction, xent_rows_torch_
+def _fwd_cpu(hidden, weight, targets, ignore_index, reduction, bias=None):
+    _check_args(hidden, weight, targets, ignore_index, reduction, bias)
+    loss, grad_hidden, grad_weight, grad_bias = fwd_chunked(
+        hidden.float(), weight.float(), targets, ignore_index, reduction, xent_rows_torch_,
+        None if bias is None else bias.float(),
     )
-    return loss.to(hidden.dtype), grad_hidden.to(hidden.dtype), grad_weight.to(weight.dtype)
+    return (loss.to(hidden.dtype), grad_hidden.to(hidden.dtype), grad_weight.to(weight.dtype),
+            grad_bias.to(weight.dtype))
 
 
 @linear_cross_entropy_fwd.register_fake
-def _fwd_fake(hidden, weight, targets, ignore_index, reduction):
-    _check_args(hidden, weight, targets, ignore_index, reduction)
-    return hidden.new_empty(()), hidden.new_empty(hidden.shape), weight.new_empty(weight.shape)
+def _fwd_fake(hidden, weight, targets, ignore_index, reduction, bias=None):
+    _check_args(hidden, weight, targets, ignore_index, reduction, bias)
+    grad_bias = weight.new_empty(0 if bias is None else bias.shape[0])
+    return hidden.new_empty(()), hidden.new_empty(hidden.shape), weight.new_empty(weight.shape), grad_bias
 
 
 @register_flop_formula(torch.ops.cstack.linear_cross_entropy_fwd)
 def _fwd_flops(hidden_shape, weight_shape, *args, **kwargs) -> int:
-    """Three matmuls of 2·T·d·V: the logits, d(hidden) and d(weight)."""
+    """Three matmuls of 2·T·d·V: the logits, d(hidden) and d(weight); the bias's add and sum are no matmul."""
     return 6 * hidden_shape[0] * hidden_shape[1] * weight_shape[0]
 
 
@@ -122,34 +143,36 @@ class _LinearCrossEntropy(torch.autograd.Function):
     """Saves the gradients the fwd op computed; the backward scales them by the upstream gradient."""
 
     @staticmethod
-    def forward(ctx, hidden, weight, targets, ignore_index, reduction):
-        loss, grad_hidden, grad_weight = torch.ops.cstack.linear_cross_entropy_fwd(
-            hidden, weight, targets, ignore_index, reduction
-        )
-        ctx.save_for_backward(grad_hidden, grad_weight)
+    def forward(ctx, hidden, weight, targets, ignore_index, reduction, bias):
+        loss, *grads = torch.ops.cstack.linear_cross_entropy_fwd(hidden, weight, targets, ignore_index, reduction,
+                                                                 bias)
+        ctx.save_for_backward(*grads)
         return loss
 
     @staticmethod
     def backward(ctx, grad_loss):
-        grad_hidden, grad_weight = ctx.saved_tensors
+        grad_hidden, grad_weight, grad_bias = ctx.saved_tensors
+        needs = ctx.needs_input_grad
         return (
-            grad_hidden * grad_loss if ctx.needs_input_grad[0] else None,
-            grad_weight * grad_loss if ctx.needs_input_grad[1] else None,
+            grad_hidden * grad_loss if needs[0] else None,
+            grad_weight * grad_loss if needs[1] else None,
             None,
             None,
             None,
+            grad_bias * grad_loss if needs[5] else None,
         )
 
 
 _lib = torch.library.Library("cstack", "FRAGMENT")
 _lib.define(
-    "linear_cross_entropy(Tensor hidden, Tensor weight, Tensor targets, int ignore_index, str reduction) -> Tensor"
+    "linear_cross_entropy(Tensor hidden, Tensor weight, Tensor targets, int ignore_index, str reduction, "
+    "Tensor? bias=None) -> Tensor"
 )
 
 
-def _linear_cross_entropy_composite(hidden, weight, targets, ignore_index, reduction):
+def _linear_cross_entropy_composite(hidden, weight, targets, ignore_index, reduction, bias=None):
     # The fwd op (and its fake) checks the arguments, before any device work.
-    return _LinearCrossEntropy.apply(hidden, weight, targets, ignore_index, reduction)
+    return _LinearCrossEntropy.apply(hidden, weight, targets, ignore_index, reduction, bias)
 
 
 _lib.impl("linear_cross_entropy", _linear_cross_entropy_composite, "CompositeImplicitAutograd")
@@ -161,13 +184,14 @@ def linear_cross_entropy(
     targets: torch.Tensor,
     ignore_index: int = -100,
     reduction: str = "mean",
+    bias: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """cross_entropy(hidden @ weightᵀ, targets) without the full logits; hidden [..., d], targets [...]."""
+    """cross_entropy(hidden @ weightᵀ + bias, targets) without the full logits; hidden [..., d], targets [...]."""
     check_tensor("hidden", hidden, dtypes=FLOAT_DTYPES)
     require(hidden.dim() >= 2, "hidden", "a tensor of shape [..., d] with at least 2 dims", tuple(hidden.shape))
     check_tensor("targets", targets, dtypes=(torch.int64,))
     require(targets.shape == hidden.shape[:-1], "targets", f"shape {tuple(hidden.shape[:-1])} (hidden's leading dims)",
             tuple(targets.shape))
     return torch.ops.cstack.linear_cross_entropy(
-        hidden.reshape(-1, hidden.shape[-1]), weight, targets.reshape(-1), ignore_index, reduction
+        hidden.reshape(-1, hidden.shape[-1]), weight, targets.reshape(-1), ignore_index, reduction, bias
     )

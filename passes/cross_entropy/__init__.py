@@ -5,8 +5,8 @@ a pick of each row's target and a reduction: the backward builds the [T, V]
 logits gradient again and feeds it to two matmuls. In the joint graph this pass
 replaces the whole chain, forward and backward together:
 
-    loss, gh, gw = linear_cross_entropy_fwd(hidden, weight, targets', ignore, "sum")
-    d hidden = gh · g,   d weight = gw · g       (g: d output / d loss, built here)
+    loss, gh, gw, gb = linear_cross_entropy_fwd(hidden, weight, targets', ignore, "sum", bias)
+    d hidden = gh · g,   d weight = gw · g,   d bias = gb · g    (g: d output / d loss, built here)
 
 so no [T, V] tensor is left in either graph. The loss is recognised by what it
 computes, on the decomposed aten graph (every spelling below ends up there):
@@ -29,16 +29,19 @@ computes, on the decomposed aten graph (every spelling below ends up there):
    minus such a term, casts. The op always sums; the user's own scalar chain stays
    in the forward, and the pass differentiates it (one multiply per op) for g.
 3. ``L`` must be a reshape (views, optional upcast) of a matmul ``mm(A, B)`` (``bmm``
-   with batch 1 from einsum), possibly with whole rows sliced away first
+   with batch 1 from einsum), possibly plus a bias (``addmm(b, A, B)``, or the matmul's
+   output reshaped, vocabulary last, plus b: V elements of a graph input, a parameter),
+   possibly with whole rows sliced away first
    (``logits[:, :-1]``: the same slice is taken of the hidden, and its gradient is
    scattered back). The projection's backward matmuls ``mm(G, Bᵀ)`` and
-   ``mm(Aᵀ, G)`` are found by their operands. Views are compared by replaying them
-   on (possibly symbolic) fake tensors, so any spelling of "the same elements"
-   matches, at a symbolic sequence length too.
+   ``mm(Aᵀ, G)`` are found by their operands, the bias's gradient as the sum of G
+   over its rows (a bias with no such sum is frozen, if G then dies). Views are
+   compared by replaying them on (possibly symbolic) fake tensors, so any spelling
+   of "the same elements" matches, at a symbolic sequence length too.
 4. The rewrite is made only if the projection's output then dies: any other use of
    the logits (an extra loss term, returned logits) leaves the graph alone, with a
    note, as does a softmax over a weight projection that nothing above matched
-   (label smoothing, focal loss, z-loss, float weights per token, a head's bias).
+   (label smoothing, focal loss, z-loss, float weights per token).
 
 The op computes in fp32 with an fp32 log-sum-exp: more accurate than a
 hand-written bf16 log-softmax, by design. Its loss comes back in the matmul's

@@ -75,8 +75,8 @@ def _rewrite(graph, c):
     def emit(target, *args, **kwargs):
         return insert_call(graph, target, args, kwargs)
 
-    loss, projection = c["loss"], c["projection"]
-    a, b = projection.args
+    loss, projection, bias = c["loss"], c["projection"], c["bias"]
+    a, b = projection.args[-2:]
     with graph.inserting_before(loss.reduce):
         d = _shape(a)[-1]
         steps = _apply_row_ops(graph, a, c["row_ops"], d)
@@ -98,9 +98,12 @@ def _rewrite(graph, c):
             targets = emit(aten.where.self, valid, targets, emit(aten.scalar_tensor.default, NO_IGNORE,
                                                                     dtype=torch.int64, device=fake_value(a).device))
             ignore_index = NO_IGNORE
-        out = emit(torch.ops.cstack.linear_cross_entropy_fwd.default, hidden, weight, targets, ignore_index, "sum")
-        total, grad_hidden, grad_weight = (emit(operator.getitem, out, i) for i in range(3))
-        save_for_backward(out, total, grad_hidden, grad_weight)
+        if bias is not None and _rank(bias) != 1:
+            bias = emit(aten.view.default, bias, [-1])
+        out = emit(torch.ops.cstack.linear_cross_entropy_fwd.default, hidden, weight, targets, ignore_index, "sum",
+                   bias)
+        total, *op_grads = (emit(operator.getitem, out, i) for i in range(4))
+        save_for_backward(out, total, *op_grads)
         scale = None
         if loss.reduce.target is aten.mean.default:
             scale = fake_value(loss.reduce.args[0]).numel()
@@ -122,7 +125,7 @@ def _rewrite(graph, c):
     where_masked = bool(loss.masks) and all(_call(at, aten.where.self) for _, at in loss.masks)
     for which, (node, transposed) in c["grads"].items():
         with graph.inserting_before(node):
-            op_grad = grad_hidden if which == "hidden" else grad_weight
+            op_grad = op_grads[("hidden", "weight", "bias").index(which)]
             new = emit(aten.mul.Tensor, op_grad, g)
             if where_masked:  # masked rows' exact zeros stay zero, as where's backward leaves them
                 new = emit(aten.where.self, emit(aten.eq.Scalar, op_grad, 0), op_grad, new)
@@ -134,6 +137,8 @@ def _rewrite(graph, c):
                 new = emit(_CONVERT, new, fake_value(node).dtype)
             if transposed:
                 new = emit(aten.permute.default, new, [1, 0])
-            if _rank(node) == 3:
+            if which == "bias":  # [V] → the sum's kept dims, [1, V] or [1, 1, V]
+                new = emit(aten.view.default, new, [1] * (_rank(node) - 1) + [-1])
+            elif _rank(node) == 3:
                 new = emit(aten.unsqueeze.default, new, 0)
         node.replace_all_uses_with(new)
