@@ -87,6 +87,21 @@ def test_aot_autograd_pieces():
     assert seen and torch.allclose(x.grad, 2 * x.detach().cos())
 
 
+def test_dynamo_compile_timers_and_cache_counters():
+    """What a step's start-up phases read (compile_stack/backend/startup.py): a frame's compile,
+    the backend call inside it, AOTAutograd's cache counts."""
+    from compile_stack.backend import startup
+
+    torch.compiler.reset()
+    x = torch.randn(3, requires_grad=True)
+    torch.compile(lambda t: (t.cos() * 3).sum(), backend="aot_eager")(x).backward()
+    timers = dynamo.timer_totals()
+    assert timers[startup.FRAME_COMPILES] >= timers[startup.BACKEND_CALLS] > 0
+    with torch._inductor.config.patch(fx_graph_cache=False):
+        torch.compile(lambda t: (t.sin() * 2).sum())(x).backward()
+    assert any(k.startswith("aot_autograd.autograd_cache_") for k in dynamo.cache_counters()), dynamo.cache_counters()
+
+
 def test_inductor_pieces(tmp_path):
     with inductor.config_patch({"max_autotune": True}, fx_graph_cache=False):
         assert torch._inductor.config.max_autotune and not torch._inductor.config.fx_graph_cache

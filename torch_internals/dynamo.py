@@ -1,5 +1,5 @@
-"""Dynamo internals: its frame cache, resume frames, the tracer, automatic-dynamic scalars and
-the functions traced code skips.
+"""Dynamo internals: its frame cache, resume frames, the tracer, automatic-dynamic scalars, the
+functions traced code skips, and its compile timers and cache counters.
 
 Each accessor returns None on a torch that lacks what it reaches for; its callers then leave
 Dynamo's behaviour as it is.
@@ -12,7 +12,8 @@ from torch._dynamo import config, eval_frame, resume_execution, utils
 from torch._dynamo.backends.common import aot_autograd
 
 __all__ = ["aot_autograd", "resume_frame_cache", "always_optimized_codes", "cache_entries",
-           "current_tracer", "tensor_variable_type", "automatic_dynamic", "functions_ignored"]
+           "current_tracer", "tensor_variable_type", "automatic_dynamic", "functions_ignored", "timer_totals",
+           "cache_counters"]
 
 
 def resume_frame_cache():
@@ -79,3 +80,19 @@ def functions_ignored(functions: set):
         except TypeError:
             stack.enter_context(mock.patch.object(utils, "_get_dynamo_config_for_logging", lambda: None))
         yield
+
+
+def timer_totals() -> dict[str, float]:
+    """Seconds each of Dynamo's compile timers has summed in this process so far (by timer name:
+    ``_compile.compile_inner`` a frame's compile, ``OutputGraph.call_user_compiler`` the backend
+    called inside it, ...); empty on a torch without them."""
+    metrics = getattr(utils, "compilation_time_metrics", None)
+    return {} if metrics is None else {name: sum(times) for name, times in metrics.items()}
+
+
+def cache_counters() -> dict[str, int]:
+    """The compile caches' counts so far (``aot_autograd.autograd_cache_hit``,
+    ``inductor.fxgraph_cache_miss``, ...); empty on a torch without them."""
+    counters = getattr(utils, "counters", {})
+    return {f"{group}.{name}": n for group in ("aot_autograd", "inductor")
+            for name, n in counters.get(group, {}).items() if "cache" in name}

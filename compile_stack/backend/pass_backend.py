@@ -15,7 +15,8 @@
    forward, so nothing else need be held open for the passes to reach it.
 3. **Settle**: the graph's pass counts and notes (``pass_records.py``: true on
    warm caches too), and what its partition decided told to the step's memory
-   plan (``MemoryPlan.compiled``).
+   plan (``MemoryPlan.compiled``). How long the compile took, and whether
+   AOTAutograd's cache had it, goes to the step's ``StartupPhases`` (``startup.py``).
 """
 import contextlib
 import functools
@@ -25,6 +26,7 @@ import torch
 from compile_stack.backend import graph_breaks, input_masks, inspection, pass_records, segments, settings
 from compile_stack.backend.aten_graphs import compile_aten_graphs
 from compile_stack.backend.grad_release import grads_set_to_none, releasing_grads
+from compile_stack.backend.startup import StartupPhases
 from compile_stack.memory_plan.plan import MemoryPlan
 from compile_stack.memory_plan.share import CallSites
 from passes import registry
@@ -47,10 +49,12 @@ class PassBackend:
         uses: int = 1,
         plan: MemoryPlan | None = None,
         report: registry.PassReport | None = None,
+        startup: StartupPhases | None = None,
     ):
         self.pass_list = registry.resolve(passes)
         # What our passes did in this backend's graphs: a step's backends share the step's report.
         self.report = report if report is not None else registry.PassReport()
+        self.startup = startup if startup is not None else StartupPhases()  # likewise its compile times
         self.outline_blocks = outline_blocks
         # True: compile each backward with its forward, so our passes and settings apply to it
         # without the caller holding ``active()`` open. False: at the first backward(), which must
@@ -111,6 +115,10 @@ class PassBackend:
         """Compile one graph for ``sites``; its replacements count once per call site. ``richer``:
         a second compile of it for the call sites given a richer plan (their memory is reserved,
         and the graph's passes counted, by the first)."""
+        with self.startup.graph(self.name):
+            return self._compile_timed(gm, example_inputs, sites, richer)
+
+    def _compile_timed(self, gm: torch.fx.GraphModule, example_inputs, sites: CallSites, richer: bool):
         graph_name = f"{self.name}{self.graphs}"
         self.graphs += 1
         report = self.report

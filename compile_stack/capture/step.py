@@ -45,6 +45,7 @@ from compile_stack import caches
 from compile_stack.backend import PassBackend
 from compile_stack.backend.graph_breaks import logging_as_no_ops
 from compile_stack.backend.inspection import InspectionWriter
+from compile_stack.backend.startup import StartupPhases
 from compile_stack.capture import accumulation_loops
 from compile_stack.capture.blocks import BlockCalls
 from compile_stack.capture.fsdp_modules import ShardedRoot, state_of
@@ -80,13 +81,14 @@ class StepOptions:
 
 
 def backend_factory(options: StepOptions, inspect: bool = True, plan: MemoryPlan | None = None,
-                    report: registry.PassReport | None = None) -> Callable[..., PassBackend]:
-    """Makes our backends for ``options``, all writing to one inspection directory (if any) and
-    one pass ``report`` (if any) and, without a fixed memory budget, planned by one ``plan`` (if
-    any); call it with the backend's ``name`` and its own keywords."""
+                    report: registry.PassReport | None = None,
+                    startup: StartupPhases | None = None) -> Callable[..., PassBackend]:
+    """Makes our backends for ``options``, all writing to one inspection directory (if any), one
+    pass ``report`` and one ``startup`` record (if any) and, without a fixed memory budget,
+    planned by one ``plan`` (if any); call it with the backend's ``name`` and its own keywords."""
     writer = InspectionWriter(options.inspect_dir) if options.inspect_dir and inspect else None
     return functools.partial(PassBackend, options.passes, writer, options.memory_budget, codegen=options.codegen,
-                             backward_now=options.backward_now, plan=plan, report=report)
+                             backward_now=options.backward_now, plan=plan, report=report, startup=startup)
 
 
 class CompiledStep:
@@ -118,7 +120,8 @@ class CompiledStep:
                                                 accumulates=bool(self.bodies))
                             if options.memory_budget is None else None)
         self.report = registry.PassReport()  # what the passes did in this step's graphs
-        backend = backend_factory(options, plan=self.memory_plan, report=self.report)
+        self.startup = StartupPhases()  # where its first call's time went
+        backend = backend_factory(options, plan=self.memory_plan, report=self.report, startup=self.startup)
         self.backend = backend(name="model", outline_blocks=options.blocks)
         self.optimizer_backend = backend(name="optimizer")
         with registry.reporting(self.report):  # an optimizer left eager says so in this step's report
@@ -184,6 +187,8 @@ class CompiledStep:
             for root in self.sharded_roots.values():
                 root.before_step()
                 stack.enter_context(root.routed())
+            if first:
+                stack.enter_context(self.startup.first())
             try:
                 result = self.compiled(*args, **kwargs)
             except torch.OutOfMemoryError as e:

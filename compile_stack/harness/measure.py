@@ -104,6 +104,9 @@ def measure(step: FirstCallTimer, batch, args, plan, label: str) -> dict:
         with heartbeat(label, report=getattr(step.step, "report", None)):  # a compiled step's pass report
             step(*batch)
     log(f"[{label}] first step took {step.first_s:.1f} s")
+    startup = getattr(step.step, "startup", None)  # a compiled step's start-up phases
+    if startup is not None and startup.first_call is not None:
+        log(f"[{label}] {startup.line()}")
     for i in range(args.warmup):  # timed too: the second call compiles a graph's richer plan (memory_plan/share.py)
         t0 = time.perf_counter()
         step(*batch).detach().item()  # synchronizes
@@ -121,6 +124,8 @@ def measure(step: FirstCallTimer, batch, args, plan, label: str) -> dict:
         "mfu": round(plan.cfg.flops_per_step / (step_ms / 1e3) / H200_PEAK_BF16_FLOPS, 4),
         "loss": round(loss, 5),
     }
+    if startup is not None and startup.first_call is not None:
+        figures["startup"] = startup.first_call
     if plan.world > 1:
         figures.update(rank_summary(figures["step_ms"], figures["peak_mem_gib"]))
         figures["mfu"] = round(figures["mfu"] / plan.world, 4)  # a share of world GPUs' peak
