@@ -25,7 +25,8 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 def first_step(layers: int, cache: Path, fresh: bool, args) -> dict:
-    """One run_step process: its first (compiling) call and its wall time, in seconds."""
+    """One run_step process: its first (compiling) call, that call's phases (run_step's ``startup``)
+    and the process's wall time, in seconds."""
     with tempfile.NamedTemporaryFile(suffix=".json") as summary:
         cmd = [sys.executable, str(ROOT / "run_step.py"), "--compile", "--preset", args.preset, "--layers",
                str(layers), "--steps", "1", "--warmup", "0", "--device", args.device, "--cache-dir", str(cache),
@@ -35,7 +36,8 @@ def first_step(layers: int, cache: Path, fresh: bool, args) -> dict:
         wall = time.perf_counter() - start
         if done.returncode != 0:
             raise SystemExit(f"run_step.py failed at {layers} layers:\n{done.stderr[-2000:]}")
-        return {"compile_s": json.loads(Path(summary.name).read_text())["compile_s"], "wall_s": round(wall, 1)}
+        figures = json.loads(Path(summary.name).read_text())
+        return {"compile_s": figures["compile_s"], "wall_s": round(wall, 1), "startup": figures.get("startup")}
 
 
 def warm_firsts(row: dict) -> str:
