@@ -75,7 +75,7 @@ def test_torch_adamw_foreach_with_scheduler_compiles_once(foreach):
 
 
 @pytest.mark.parametrize("foreach", [True, None], ids=["foreach", "default"])
-def test_torch_adamw_made_capturable_by_dynamo_compiles_once(foreach, monkeypatch):
+def test_torch_adamw_made_capturable_by_dynamo_compiles_once(foreach, monkeypatch, tmp_path):
     """On a GPU, Dynamo's first trace of a torch.optim step sets ``capturable`` in the user's
     param groups whose state does not exist yet. The step must still run in the per-parameter
     form from the second call on: in the foreach form it compiled again (45 s at the full size
@@ -95,7 +95,7 @@ def test_torch_adamw_made_capturable_by_dynamo_compiles_once(foreach, monkeypatc
     optimizer = []
     run_case(model, make_optimizer=lambda ps: optimizer.append(torch.optim.AdamW(ps, lr=1e-2, weight_decay=0.1,
                                                                                  foreach=foreach)) or optimizer[-1],
-             make_scheduler=SCHEDULERS["cosine"], expect={"adamw": 1})
+             make_scheduler=SCHEDULERS["cosine"], expect={"adamw": 1}, cache_dir=tmp_path)
     assert optimizer[0].param_groups[0]["capturable"] and optimizer[0].param_groups[0]["foreach"] is foreach
 
 

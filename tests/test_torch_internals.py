@@ -102,6 +102,34 @@ def test_dynamo_compile_timers_and_cache_counters():
     assert any(k.startswith("aot_autograd.autograd_cache_") for k in dynamo.cache_counters()), dynamo.cache_counters()
 
 
+class _Holder:
+    def __init__(self):
+        self.scale = 2.0
+        self.weights = [torch.randn(3), torch.randn(3)]
+
+
+def test_dynamo_trace_record_names_sources_guards_and_files():
+    """What a proven optimizer update is recorded from (compile_stack/capture/proven_update.py):
+    each graph input's source, the guards, the files traced."""
+    torch.compiler.reset()
+    holder, seen = _Holder(), []
+
+    def backend(gm, example_inputs):
+        seen.append(dynamo.trace_record(gm))
+        return gm.forward
+
+    def update(h):
+        for w in h.weights:
+            w.mul_(h.scale)
+
+    torch.compile(update, backend=backend)(holder)
+    assert dynamo.trace_record(torch.fx.symbolic_trace(lambda t: t + 1)) is None, "outside a backend call"
+    (record,) = seen
+    assert record["sources"] == ["L['h'].weights[0]", "L['h'].weights[1]"]
+    assert any(name == "L['h'].scale" for _, name in record["guards"]), record["guards"]  # baked in
+    assert __file__ in record["files"] and record["shape_guards"] == []
+
+
 def test_inductor_pieces(tmp_path):
     with inductor.config_patch({"max_autotune": True}, fx_graph_cache=False):
         assert torch._inductor.config.max_autotune and not torch._inductor.config.fx_graph_cache

@@ -99,8 +99,11 @@ def run_case(
     make_scheduler: Callable | None = None,
     vocab: int = VOCAB,
     seq: int = SEQ,
+    cache_dir=None,
 ) -> dict:
-    """Eager vs compiled on copies of one model; returns the pass report's counts."""
+    """Eager vs compiled on copies of one model; returns the pass report's counts. ``cache_dir``:
+    caches of the test's own, where what it checks is Dynamo's trace of the optimizer (a proven
+    update recorded by an earlier test would run instead)."""
     torch._dynamo.reset()
     registry.current().clear()
     torch.manual_seed(0)
@@ -108,7 +111,8 @@ def run_case(
     eager_model = copy.deepcopy(model)
     optimizer, eager_optimizer = make_optimizer(model.parameters()), make_optimizer(eager_model.parameters())
     schedulers = [make_scheduler(o) for o in (optimizer, eager_optimizer)] if make_scheduler else []
-    compiled = compile_stack.compile_step(make_train_step(model, loss_fn, optimizer, clip), codegen=False)
+    compiled = compile_stack.compile_step(make_train_step(model, loss_fn, optimizer, clip), codegen=False,
+                                          cache_dir=cache_dir)
     eager = make_train_step(eager_model, loss_fn, eager_optimizer, clip)
     for i, (inputs, targets) in enumerate(batches(steps, vocab, seq)):
         loss = compiled(inputs, targets)

@@ -96,3 +96,27 @@ def cache_counters() -> dict[str, int]:
     counters = getattr(utils, "counters", {})
     return {f"{group}.{name}": n for group in ("aot_autograd", "inductor")
             for name, n in counters.get(group, {}).items() if "cache" in name}
+
+
+def trace_record(gm) -> dict | None:
+    """What the graph being compiled (``gm``, as a backend receives it) was traced from and under,
+    read inside the backend: ``sources`` (each placeholder's source, as Dynamo names it),
+    ``guards`` (``(kind, name)`` of each guard Dynamo placed), ``files`` (the source files of every
+    function it traced) and ``shape_guards`` (its symbolic-shape guards, as text). None outside a
+    backend call, or on a torch that does not keep these."""
+    from torch._guards import TracingContext
+
+    context = TracingContext.try_get()
+    if context is None or not hasattr(context, "traced_code") or context.fake_mode is None:
+        return None
+    sources = []
+    for node in gm.graph.find_nodes(op="placeholder"):
+        arg = node.meta.get("grapharg")
+        source = getattr(arg, "source", None)
+        name = getattr(source, "name", None)
+        sources.append(name() if callable(name) else name)
+    guards = [(guard.create_fn_name(), guard.name) for guard in context.guards_context.dynamo_guards]
+    shape_env = context.fake_mode.shape_env
+    shape_guards = [str(g.expr) for g in shape_env.guards] if shape_env is not None else []
+    return {"sources": sources, "guards": guards, "files": sorted({c.co_filename for c in context.traced_code}),
+            "shape_guards": shape_guards}

@@ -72,6 +72,8 @@ class PassBackend:
         self.captures = 0  # captured graphs cut into segments (segments.outline)
         self.block_graphs = 0  # of those segments, the blocks' graphs compiled (one per distinct kind)
         self.writer = writer
+        # While a list: each graph as our joint passes left it is appended (a proven optimizer update records it).
+        self.kept_joint: list[torch.fx.GraphModule] | None = None
 
     @contextlib.contextmanager
     def active(self, on_gpu: bool = False):
@@ -80,7 +82,7 @@ class PassBackend:
         The step runs inside this too: AOTAutograd may compile a backward
         graph lazily, at the first ``backward()``.
         """
-        observer = self.writer.observer() if self.writer else None
+        observer = self._observer()
         with (
             registry.reporting(self.report),
             registry.installed([p.name for p in self.pass_list], observer, stages=("joint", "post_grad")),
@@ -160,8 +162,21 @@ class PassBackend:
         return input_masks.MaskGuard(compiled, captured, masks, graph_name) if masks else compiled
 
     def _stages(self) -> dict:
-        observer = self.writer.observer() if self.writer else None
-        return registry.stage_passes(self.pass_list, observer)
+        return registry.stage_passes(self.pass_list, self._observer())
+
+    def _observer(self):
+        """What watches the passes' stages: the inspection writer, and ``kept_joint`` while a list."""
+        writer = self.writer.observer() if self.writer else None
+        if writer is None and self.kept_joint is None:
+            return None
+
+        def observe(stage: str, graph: torch.fx.Graph, when: str) -> None:
+            if writer is not None:
+                writer(stage, graph, when)
+            if self.kept_joint is not None and stage == "joint" and when == "after":
+                self.kept_joint.append(detached_module(graph))
+
+        return observe
 
     def _prepare(self, gm: torch.fx.GraphModule, masks: dict) -> None:
         """Our pre-grad passes, run here rather than in Inductor's hook: AOTAutograd's cache checks
@@ -173,6 +188,17 @@ class PassBackend:
         if masks:
             input_masks.rebuild(gm, masks)
         gm.recompile()
+
+
+def detached_module(graph: torch.fx.Graph) -> torch.fx.GraphModule:
+    """A runnable copy of ``graph`` (its owning module's attributes included), without the traced
+    values of its nodes' metadata."""
+    copy = torch.fx.Graph()
+    output = copy.graph_copy(graph, {})
+    copy.output(output)
+    for node in copy.nodes:
+        node.meta = {}
+    return torch.fx.GraphModule(graph.owning_module or torch.nn.Module(), copy)
 
 
 def tensor_methods_as_method_calls(gm: torch.fx.GraphModule) -> None:

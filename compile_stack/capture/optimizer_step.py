@@ -13,7 +13,9 @@ import torch
 
 from compile_stack.backend import PassBackend
 from compile_stack.capture.local_shards import LocalShards
+from compile_stack.capture.proven_update import Layout, ProvenUpdate, Recording, record_path, refusal, save_refusal
 from compile_stack.capture.reachable import inspect_target
+from passes import registry
 from passes.registry import note
 from torch_internals import dynamo
 
@@ -98,8 +100,12 @@ class CompiledOptimizerStep:
             note("optimizer", f"{type(optimizer).__name__}.step runs eagerly: it assigns attributes "
                               f"({', '.join(sorted(stores))}), which Dynamo drops for torch.optim.Optimizer subclasses")
         # Eagerly means wholly outside Dynamo: a non-recursive disable would let the train step's compile trace it.
+        self.recording = Recording(self.SELF_SOURCE)
         self.compiled = (torch.compiler.disable(self.original) if stores
-                         else torch.compile(self.original, backend=backend))
+                         else torch.compile(self.original, backend=self.recording.backend(backend)))
+        self.backend = backend
+        self.provable = not stores  # until its first step: whether it may run a proven update
+        self.proven = None  # the proven update it runs instead of Dynamo's trace (proven_update.py)
         self.local_shards = LocalShards(optimizer)  # FSDP2's DTensors: stepped on their local shards
         self.sharded = None  # whether it holds DTensors, found at the first step
         self.call = torch.compiler.disable(self._run, recursive=False)
@@ -115,7 +121,78 @@ class CompiledOptimizerStep:
             self.optimizer._opt_called = True
         with (self._on_local_shards(), torch.compiler.config.patch(dynamic_sources=sources),
               self._dynamic_floats(sources), self._single_tensor()):
-            return self.compiled(*args, **kwargs)
+            if self.proven is not None:
+                if self._run_proven():
+                    return None
+                self.proven = None  # its layout changed (a new hyper-parameter, ...): traced from now on
+            if not (self.provable and not self.sharded and not args and not kwargs):
+                self.provable = False
+                return self.compiled(*args, **kwargs)
+            self.provable = False
+            found = self._load_proven()
+            if found == "proven":
+                return None
+            if found == "refused":
+                return self.compiled()
+            self._start_recording()
+            try:
+                result = self.compiled()
+            except BaseException:
+                self.recording.abandon()
+                raise
+            self._finish_recording(result)
+            return result
+
+    # The helpers of the first step below run outside Dynamo: ``_run``'s frame is skipped, the
+    # frames it calls would be traced by the enclosing step's compile.
+
+    @torch.compiler.disable
+    def _run_proven(self) -> bool:
+        return self.proven.run(self.optimizer)
+
+    @torch.compiler.disable
+    def _load_proven(self) -> str | None:
+        """The first step by the update an earlier compile proved, if one matches this optimizer
+        ("proven"); "refused" where an earlier compile found it cannot be proven; None: record."""
+        name = type(self.optimizer).__name__
+        self.before = Layout(self.optimizer)
+        passes_id = registry.stage_passes(self.backend.pass_list)["joint"].uuid().hex()
+        self.record_path = record_path(self.optimizer, self.before, passes_id)
+        update = ProvenUpdate.load(self.record_path)
+        if update is None or not update.run(self.optimizer):
+            reason = refusal(self.record_path)
+            if reason is not None:
+                note("optimizer", f"{name}.step is traced in every process: {reason}")
+                return "refused"
+            return None
+        self.proven = update
+        report = registry.current()
+        for pass_name, n in update.counts.items():
+            report.replacements[pass_name] += n
+        report.notes += [entry for entry in update.notes if entry not in report.notes]
+        note("optimizer", f"{name}.step runs the update an earlier compile proved, untraced ({self.record_path.name})")
+        return "proven"
+
+    @torch.compiler.disable
+    def _start_recording(self) -> None:
+        report = registry.current()
+        self.counts_before, self.notes_before = dict(report.replacements), len(report.notes)
+        self.recording.start(self.before)
+
+    @torch.compiler.disable
+    def _finish_recording(self, result) -> None:
+        """What the first compiled step proved, kept for later processes (or why not, as a note)."""
+        proven = self.recording.finish(Layout(self.optimizer), result)
+        if proven is None:
+            return
+        if isinstance(proven, str):
+            note("optimizer", f"{type(self.optimizer).__name__}.step is traced in every process: {proven}")
+            save_refusal(self.record_path, proven, self.recording.traced_files)
+            return
+        report, before = registry.current(), self.counts_before
+        proven.counts = {p: n - before.get(p, 0) for p, n in report.replacements.items() if n != before.get(p, 0)}
+        proven.notes = report.notes[self.notes_before:]
+        proven.save(self.record_path)
 
     @contextlib.contextmanager
     def _on_local_shards(self):
