@@ -9,6 +9,8 @@ not have (the block compiles once). A benchmark, not a test: nothing here assert
     python benchmarks/bench_startup.py                                  # tiny widths, 2, 8 and 34 layers
     python benchmarks/bench_startup.py --layers 2,34 --warm 2 --json out/startup.json
     python benchmarks/bench_startup.py --preset full --device cuda      # on a GPU
+    python benchmarks/bench_startup.py --layers 2,16 --model examples/transformers_llama.py:build_llama \
+        --optimizer torch.optim:AdamW                                   # a transformers model
 """
 import argparse
 import json
@@ -30,7 +32,9 @@ def first_step(layers: int, cache: Path, fresh: bool, args) -> dict:
     with tempfile.NamedTemporaryFile(suffix=".json") as summary:
         cmd = [sys.executable, str(ROOT / "run_step.py"), "--compile", "--preset", args.preset, "--layers",
                str(layers), "--steps", "1", "--warmup", "0", "--device", args.device, "--cache-dir", str(cache),
-               "--json", summary.name, *(["--fresh-cache"] if fresh else [])]
+               "--json", summary.name, *(["--fresh-cache"] if fresh else []),
+               *(["--model", args.model] if args.model else []),
+               *(["--optimizer", args.optimizer] if args.optimizer else [])]
         start = time.perf_counter()
         done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
         wall = time.perf_counter() - start
@@ -51,6 +55,8 @@ def main(argv=None) -> int:
     parser.add_argument("--warm", type=int, default=2, help="warm processes after each cold one (default 2)")
     parser.add_argument("--preset", default="tiny", help="run_step.py preset whose widths are used (default tiny)")
     parser.add_argument("--device", default="cpu", help="run_step.py --device (default cpu)")
+    parser.add_argument("--model", help="run_step.py --model MODULE:FACTORY (default: the reference model)")
+    parser.add_argument("--optimizer", help="run_step.py --optimizer MODULE:CLASS (default: the reference AdamW)")
     parser.add_argument("--json", type=Path, help="write the figures here")
     parser.add_argument("--record", action="store_true", help="append the figures to benchmarks/results.jsonl")
     args = parser.parse_args(argv)
@@ -88,7 +94,9 @@ def main(argv=None) -> int:
         best = lambda row: min(w["compile_s"] for w in row["warm"])  # noqa: E731
         against = (f"{deepest['layers']} against {base['layers']} layers, same call: warm "
                    f"{best(deepest) / best(base):.2f}x, cold {deepest['cold']['compile_s'] / base['cold']['compile_s']:.2f}x")
-        append_result(f"start-up against depth, {args.preset} widths, {args.device}", figures, against)
+        model = f", model {args.model}" if args.model else ""
+        optimizer = f", optimizer {args.optimizer}" if args.optimizer else ""
+        append_result(f"start-up against depth, {args.preset} widths, {args.device}{model}{optimizer}", figures, against)
     return 0
 
 
