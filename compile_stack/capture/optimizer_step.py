@@ -116,11 +116,9 @@ class CompiledOptimizerStep:
     def _run(self, *args, **kwargs):
         # ``self.compiled`` is called from this frame, which Dynamo skips: a helper frame between
         # them would be traced by the enclosing step's compile, the optimizer's step inlined there.
-        sources = step_counter_sources(self.optimizer)
-        if self.scheduled:
-            self.optimizer._opt_called = True
-        with (self._on_local_shards(), torch.compiler.config.patch(dynamic_sources=sources),
-              self._dynamic_floats(sources), self._single_tensor()):
+        # So is every other frame this one calls, unless disabled like the helpers below.
+        contexts = self._enter_contexts()
+        try:
             if self.proven is not None:
                 if self._run_proven():
                     return None
@@ -142,9 +140,26 @@ class CompiledOptimizerStep:
                 raise
             self._finish_recording(result)
             return result
+        finally:
+            self._exit_contexts(contexts)
 
-    # The helpers of the first step below run outside Dynamo: ``_run``'s frame is skipped, the
-    # frames it calls would be traced by the enclosing step's compile.
+    @torch.compiler.disable
+    def _enter_contexts(self) -> contextlib.ExitStack:
+        """What the step runs in, entered outside Dynamo (traced, finding FSDP2's DTensors alone cost
+        seconds at 309 parameters): its local shards, its scalars traced as symbols, the per-parameter form."""
+        sources = step_counter_sources(self.optimizer)
+        if self.scheduled:
+            self.optimizer._opt_called = True
+        with contextlib.ExitStack() as stack:
+            for context in (self._on_local_shards(), torch.compiler.config.patch(dynamic_sources=sources),
+                            self._dynamic_floats(sources), self._single_tensor()):
+                stack.enter_context(context)
+            return stack.pop_all()
+
+    @staticmethod
+    @torch.compiler.disable
+    def _exit_contexts(contexts: contextlib.ExitStack) -> None:
+        contexts.close()
 
     @torch.compiler.disable
     def _run_proven(self) -> bool:
