@@ -4,6 +4,8 @@ Dynamo would bake an optimizer's Python step count and a scheduler's ``lr`` in
 as constants and recompile at each change; ``CompiledOptimizerStep`` compiles
 ``optimizer.step`` with those traced as symbols from the first compile, and
 routes the optimizer's ``step`` and ``zero_grad`` while the compiled step runs.
+Its first step records what the compile proved (``proven_update.py``); a later
+process whose optimizer matches runs that instead of tracing the step again.
 """
 import contextlib
 import dis
@@ -174,7 +176,12 @@ class CompiledOptimizerStep:
         passes_id = registry.stage_passes(self.backend.pass_list)["joint"].uuid().hex()
         self.record_path = record_path(self.optimizer, self.before, passes_id)
         update = ProvenUpdate.load(self.record_path)
-        if update is None or not update.run(self.optimizer):
+        try:
+            ran = update is not None and update.run(self.optimizer)
+        except Exception as e:  # a record this torch cannot run: traced, and recorded again
+            note("optimizer", f"{name}.step: its proven update failed ({type(e).__name__}: {e}); traced instead")
+            ran = False
+        if not ran:
             reason = refusal(self.record_path)
             if reason is not None:
                 note("optimizer", f"{name}.step is traced in every process: {reason}")
