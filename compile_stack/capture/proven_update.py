@@ -321,8 +321,8 @@ class Recording:
         if any(path not in after.entries for path in before):
             return "its step removes state"
         output_paths = [path for _, path in sorted(outputs)]
-        return ProvenUpdate(graph=graph, inputs=inputs, wrapped=wrapped, outputs=output_paths, created=created, flags=flags,
-                            layout=after.masked(set(inputs) | set(output_paths)),
+        return ProvenUpdate(graph=graph, inputs=inputs, wrapped=wrapped, outputs=output_paths, created=created,
+                            flags=flags, layout=after.masked(set(inputs) | set(output_paths)),
                             start=self.before.masked(set(inputs) | set(output_paths)),
                             files={f: file_hash(f) for f in files}, counts={}, notes=[])
 
