@@ -13,7 +13,7 @@ from torch._dynamo.backends.common import aot_autograd
 
 __all__ = ["aot_autograd", "resume_frame_cache", "always_optimized_codes", "cache_entries",
            "current_tracer", "tensor_variable_type", "automatic_dynamic", "functions_ignored", "timer_totals",
-           "cache_counters"]
+           "cache_counters", "trace_record"]
 
 
 def resume_frame_cache():

@@ -174,7 +174,7 @@ class PassBackend:
             if writer is not None:
                 writer(stage, graph, when)
             if self.kept_joint is not None and stage == "joint" and when == "after":
-                self.kept_joint.append(detached_module(graph))
+                self.kept_joint.append(copy_module(graph.owning_module))
 
         return observe
 
@@ -188,17 +188,6 @@ class PassBackend:
         if masks:
             input_masks.rebuild(gm, masks)
         gm.recompile()
-
-
-def detached_module(graph: torch.fx.Graph) -> torch.fx.GraphModule:
-    """A runnable copy of ``graph`` (its owning module's attributes included), without the traced
-    values of its nodes' metadata."""
-    copy = torch.fx.Graph()
-    output = copy.graph_copy(graph, {})
-    copy.output(output)
-    for node in copy.nodes:
-        node.meta = {}
-    return torch.fx.GraphModule(graph.owning_module or torch.nn.Module(), copy)
 
 
 def tensor_methods_as_method_calls(gm: torch.fx.GraphModule) -> None:

@@ -112,7 +112,7 @@ class ProvenUpdate:
                 return False
         args = [resolve(optimizer, p) for p in self.inputs]
         for i, (dtype, device) in self.wrapped.items():
-            args[i] = torch.tensor(args[i], dtype=getattr(torch, dtype.split(".")[1]), device=device)
+            args[i] = torch.tensor(args[i], dtype=_dtype(dtype), device=device)
         with torch.no_grad():
             outs = self.graph(*args)
         for path, value in zip(self.outputs, outs):
@@ -134,10 +134,15 @@ class ProvenUpdate:
             except Missing:
                 pass
             if entry[0] == "tensor":
-                shape, stride, dtype, device = entry[1], entry[2], getattr(torch, entry[3].split(".")[1]), entry[4]
+                shape, stride, dtype, device = entry[1], entry[2], _dtype(entry[3]), entry[4]
                 assign(optimizer, path, torch.empty_strided(shape, stride, dtype=dtype, device=device).zero_())
             else:
                 assign(optimizer, path, {})
+
+
+def _dtype(name: str) -> torch.dtype:
+    """``torch.bfloat16`` from its ``str``, as a layout records it."""
+    return getattr(torch, name.removeprefix("torch."))
 
 
 def save_refusal(path: Path, reason: str, files: dict[str, str]) -> None:
@@ -321,9 +326,9 @@ class Recording:
         if any(path not in after.entries for path in before):
             return "its step removes state"
         output_paths = [path for _, path in sorted(outputs)]
+        volatile = set(inputs) | set(output_paths)
         return ProvenUpdate(graph=graph, inputs=inputs, wrapped=wrapped, outputs=output_paths, created=created,
-                            flags=flags, layout=after.masked(set(inputs) | set(output_paths)),
-                            start=self.before.masked(set(inputs) | set(output_paths)),
+                            flags=flags, layout=after.masked(volatile), start=self.before.masked(volatile),
                             files={f: file_hash(f) for f in files}, counts={}, notes=[])
 
     def _allowed(self, kind: str, name: str) -> bool:
