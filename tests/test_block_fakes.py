@@ -84,6 +84,58 @@ def test_blocks_differing_in_an_attribute_each_run_on_fakes_and_match_eager(monk
     assert len(runs) == 3  # one per distinct block (0.5; 2.0; 0.5 widened), once over both traces
 
 
+class InWeightDtype(nn.Module):
+    """A block computing in its weight's dtype."""
+
+    def __init__(self):
+        super().__init__()
+        self.proj = nn.Linear(8, 8)
+
+    def forward(self, x):
+        return x + torch.tanh(self.proj(x.to(self.proj.weight.dtype)))
+
+
+class Branching(Stack):
+    """A forward whose Python, after the blocks, depends on their output's dtype (as Dynamo traced it)."""
+
+    def forward(self, ids):
+        x = self.embed(ids)
+        for block in self.blocks:
+            x = block(x)
+        if x.dtype == torch.float64:
+            x = 2 * x.float()
+        return self.head(x)
+
+
+def test_a_block_cast_after_a_step_traces_the_step_again():
+    """The block calls take no parameter: the blocks' tensor layout, a constant of their nodes, is
+    what Dynamo guards, so blocks cast to float64 between steps are traced again (not run through
+    the float32 trace, which would skip the doubling)."""
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model = Branching([InWeightDtype() for _ in range(3)])
+    eager = Branching([InWeightDtype() for _ in range(3)])
+    eager.load_state_dict(model.state_dict())
+    step = compile_stack.compile_step(lambda x, y: mean_cross_entropy(model(x), y), codegen=False)
+    (inputs, targets), = batches(1)
+    torch.testing.assert_close(step(inputs, targets), mean_cross_entropy(eager(inputs), targets))
+    layout = blocks.tensor_layout(list(model.blocks))
+    model.blocks.double(), eager.blocks.double()
+    assert blocks.tensor_layout(list(model.blocks)) != layout
+    torch.testing.assert_close(step(inputs, targets), mean_cross_entropy(eager(inputs), targets))
+
+
+def test_the_layout_tells_metadata_and_sharing():
+    a, b = InWeightDtype(), InWeightDtype()
+    layout = blocks.tensor_layout([a, b])
+    assert blocks.tensor_layout([InWeightDtype(), InWeightDtype()]) == layout  # values are no part of it
+    b.proj.weight.requires_grad_(False)
+    assert blocks.tensor_layout([a, b]) != layout
+    b.proj.weight.requires_grad_(True)
+    b.proj.weight = a.proj.weight  # tied across blocks
+    assert blocks.tensor_layout([a, b]) != layout
+
+
 def test_the_key_tells_what_decides_the_output():
     a, b, c = Scaled(0.5), Scaled(0.5), Scaled(2.0)
     with FakeTensorMode():

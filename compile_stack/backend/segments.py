@@ -196,19 +196,20 @@ _ROUTERS: "weakref.WeakValueDictionary[int, object]" = weakref.WeakValueDictiona
 def register_router(router) -> int:
     """Make ``router`` reachable from ``call_block`` nodes (while it lives); its key.
 
-    A router has ``blocks``, ``fake_forward(block, args, kwargs, tensors)`` (the call on Dynamo's
-    fake tensors) and ``compiled_for(index)`` (the compiled forward block ``index`` runs)."""
+    A router has ``blocks``, ``fake_forward(block, args, kwargs)`` (the call on Dynamo's fake
+    tensors) and ``compiled_for(index)`` (the compiled forward block ``index`` runs)."""
     key = id(router)
     _ROUTERS[key] = router
     return key
 
 
 @torch.compiler.allow_in_graph
-def call_block(key: int, index: int, args: tuple, kwargs: dict, tensors: tuple):
-    """Block ``index`` of the router ``key`` applied to ``args``/``kwargs``; ``tensors`` are its
-    parameters and buffers, passed so the captured graph records them as the call's inputs."""
+def call_block(key: int, index: int, args: tuple, kwargs: dict, layout: str):
+    """Block ``index`` of the router ``key`` applied to ``args``/``kwargs``. The block's parameters
+    are no inputs of the node (the compiled block reads them); ``layout``, a string of their
+    metadata, is a constant of it, on which Dynamo guards."""
     router = _ROUTERS[key]
     block = router.blocks[index]
-    if any(fx.is_fake(t) for t in fx.tree_leaves((args, kwargs, tensors))):  # Dynamo tracing
-        return router.fake_forward(block, args, kwargs, tensors)
+    if fx.detect_fake_mode(fx.tree_leaves((args, kwargs))) is not None:  # Dynamo tracing
+        return router.fake_forward(block, args, kwargs)
     return router.compiled_for(index)(block, *args, **kwargs)

@@ -79,6 +79,14 @@ def call_key(block: torch.nn.Module, args: tuple, kwargs: dict, tensors: tuple):
     return type(block), modules, str(spec), inputs, _aliasing(leaves), torch.is_grad_enabled(), autocast
 
 
+def fake_tensors(block: torch.nn.Module, args) -> dict[str, torch.Tensor]:
+    """Fake tensors of ``block``'s parameters and buffers, by name, in the fake mode of ``args``
+    (Dynamo's): the block's call takes none of them as inputs, so Dynamo made no fakes of them."""
+    mode = fx.detect_fake_mode(fx.tree_leaves(args))
+    return {name: mode.from_tensor(t, static_shapes=True)
+            for name, t in (*block.named_parameters(), *block.named_buffers())}
+
+
 class _Made(torch.autograd.Function):
     """A new tensor of the given metadata, made a result of ``anchor`` (so it has a grad_fn, as the
     block's own output does); only ever made of fake tensors, never differentiated."""
