@@ -23,7 +23,7 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from torch_internals import fx
 
 # What every nn.Module keeps in its __dict__ (parameters, buffers, children, hooks, flags).
-_MODULE_INTERNALS = frozenset(vars(torch.nn.Module())) | {"forward"}  # forward: routed while traced
+_MODULE_INTERNALS = frozenset(vars(torch.nn.Module())) | {"_routed_call"}  # which call, while routed (blocks.py)
 _PLAIN = (type(None), bool, int, float, complex, str, torch.dtype, torch.device, torch.layout)
 _BY_IDENTITY = (types.FunctionType, types.BuiltinFunctionType, types.MethodType, type)
 
@@ -137,11 +137,14 @@ class FakeOutput:
                           if isinstance(x, torch.Tensor) else x for x in leaves])
 
     def make(self, inputs: tuple):
-        """A new output of this metadata, in the fake mode of ``inputs`` (whose call had the same key)."""
+        """A new output of this metadata, in the fake mode of ``inputs`` (whose call had the same key;
+        Dynamo's, where they hold no fake tensor)."""
         flat = fx.tree_flatten(inputs)[0]
         anchor = next((t for t in flat if isinstance(t, torch.Tensor) and t.requires_grad), None)
         out = []
         with fx.detect_fake_mode(flat):
+            if anchor is None:  # the output requires grad through the block's parameters alone
+                anchor = torch.empty(0, requires_grad=True)
             for x in self.leaves:
                 if not isinstance(x, _TensorMeta):
                     out.append(x)

@@ -26,8 +26,8 @@ frames Dynamo resumes it in after each graph break are compiled too
 Nothing of the user's objects is edited for longer than a call: while the
 compiled step runs, each found optimizer's ``step`` routes to its compiled
 update, its ``zero_grad`` and each found model's run as graph breaks, each
-block's ``forward`` routes to its block call, and torch.optim's ``foreach``
-flag reads False; afterwards all are as they were.
+block's class is a subclass whose forward routes to its block call, and
+torch.optim's ``foreach`` flag reads False; afterwards all are as they were.
 """
 import contextlib
 import dataclasses
