@@ -5,6 +5,7 @@ import torch
 
 from compile_stack.backend import input_masks
 from compile_stack.backend.input_masks import diagonal_split
+from torch_internals import aot
 
 T = 7
 ONES = torch.ones(T, T)
@@ -65,3 +66,24 @@ def test_only_plain_read_only_mask_inputs_are_candidates():
     tril = ONES.tril()
     inputs = [tril, tril.long(), torch.nn.Parameter(tril.clone()), tril.clone().requires_grad_(), tril.clone()]
     assert list(input_masks.find(gm, inputs)) == [0]
+
+
+def test_a_rebuilt_mask_keeps_the_graph_cacheable():
+    """The nodes that build the mask carry Dynamo's example values: without them AOTAutograd's
+    cache bypassed the graph (a method call on a node with none), so a warm start compiled again."""
+    seen = {}
+
+    def backend(gm, example_inputs):
+        found = input_masks.find(gm, example_inputs)
+        input_masks.rebuild(gm, found)
+        seen["found"], seen["refusal"] = found, aot.cache_refusal(gm)
+        seen["values"] = [n.meta.get("example_value") for n in gm.graph.nodes if n.op.startswith("call")]
+        return gm
+
+    mask = torch.ones(2, 1, T, T, dtype=torch.bool).tril()
+    x = torch.randn(2, 3, T, 4)
+    fn = torch.compile(lambda q, m: torch.nn.functional.scaled_dot_product_attention(q, q, q, attn_mask=m),
+                       backend=backend, fullgraph=True)
+    torch.testing.assert_close(fn(x, mask), torch.nn.functional.scaled_dot_product_attention(x, x, x, is_causal=True))
+    assert list(seen["found"]) == [1] and seen["refusal"] is None
+    assert all(v is not None for v in seen["values"])

@@ -88,16 +88,28 @@ def _is_candidate(node: torch.fx.Node, value) -> bool:
             and value.dim() >= 2 and bool(node.users) and not any(modifies(u) for u in node.users))
 
 
-def _build(graph: torch.fx.Graph, split: DiagonalSplit) -> torch.fx.Node:
+def _build(graph: torch.fx.Graph, split: DiagonalSplit, mode=None) -> torch.fx.Node:
     """Nodes computing ``split``'s tensor: ``full(b).masked_fill(tril(ones, d), a)`` in its dtype
-    (exact for any value it holds), leading dims broadcast by ``expand``."""
+    (exact for any value it holds), leading dims broadcast by ``expand``. Each node's
+    ``example_value`` is its value in the fake ``mode`` (Dynamo's), as Dynamo's own nodes have:
+    AOTAutograd's cache takes a method call only on a node that has one, and bypassed every
+    graph with a rebuilt mask without it (a transformers block's warm start compiled it again)."""
+    def add(kind: str, target, args: tuple, kwargs: dict | None = None) -> torch.fx.Node:
+        node = getattr(graph, kind)(target, args, kwargs or {})
+        if mode is not None:
+            values = torch.fx.node.map_arg((args, kwargs or {}), lambda n: n.meta["example_value"])
+            with mode:
+                fn = target if kind == "call_function" else getattr(torch.Tensor, target)
+                node.meta["example_value"] = fn(*values[0], **values[1])
+        return node
+
     rows, cols = split.shape[-2:]
-    value = graph.call_function(torch.full, ((rows, cols), split.b), {"dtype": split.dtype, "device": split.device})
+    value = add("call_function", torch.full, ((rows, cols), split.b), {"dtype": split.dtype, "device": split.device})
     if split.diagonal is not None:
-        keep = graph.call_function(torch.ones, (rows, cols), {"dtype": torch.bool, "device": split.device})
-        keep = graph.call_function(torch.tril, (keep, split.diagonal))
-        value = graph.call_method("masked_fill", (value, keep, split.a))
-    return graph.call_method("expand", (value, *split.shape))
+        keep = add("call_function", torch.ones, (rows, cols), {"dtype": torch.bool, "device": split.device})
+        keep = add("call_function", torch.tril, (keep, split.diagonal))
+        value = add("call_method", "masked_fill", (value, keep, split.a))
+    return add("call_method", "expand", (value, *split.shape))
 
 
 def find(gm: torch.fx.GraphModule, example_inputs: list) -> dict[int, DiagonalSplit]:
@@ -116,7 +128,8 @@ def rebuild(gm: torch.fx.GraphModule, found: dict[int, DiagonalSplit]) -> None:
     with gm.graph.inserting_before(next(n for n in gm.graph.nodes if n.op != "placeholder")):
         for index, split in found.items():
             node = placeholders[index]
-            node.replace_all_uses_with(_build(gm.graph, split))
+            mode = fx.detect_fake_mode([node.meta.get("example_value")])
+            node.replace_all_uses_with(_build(gm.graph, split, mode))
     gm.graph.lint()
     gm.recompile()
 
