@@ -182,3 +182,27 @@ def test_outputs_that_are_not_fresh_tensors_are_not_reused(forward):
     with FakeTensorMode():
         x = torch.empty(3, 8)
         assert FakeOutput.of(forward(x), (x,)) is None
+
+
+class Kernel(nn.Module):
+    """A function wrapper held in a plain dict, not a submodule (as transformers' kernel wrappers)."""
+
+    def __init__(self, power: int):
+        super().__init__()
+        self.power = power
+
+    def forward(self, x):
+        return x ** self.power
+
+
+def test_a_module_held_in_a_container_is_keyed_by_what_it_holds():
+    a, b = Scaled(0.5), Scaled(0.5)
+    a.kernels, b.kernels = {"act": Kernel(2)}, {"act": Kernel(2)}
+    x = torch.empty(2, 5, 8)
+    key = call_key(a, (x,), {}, tuple(a.parameters()))
+    assert key is not None and key == call_key(b, (x,), {}, tuple(b.parameters()))
+    b.kernels["act"].power = 3
+    assert call_key(b, (x,), {}, tuple(b.parameters())) != key
+    b.kernels["act"] = Kernel(2).double()
+    b.kernels["act"].register_buffer("table", torch.ones(3))
+    assert call_key(b, (x,), {}, tuple(b.parameters())) != key

@@ -10,7 +10,8 @@ block's run answers for the others, in this trace and the next.
 
 Only what can be compared is reused: static shapes; a block whose attributes
 are numbers, strings, dtypes, tensors (by metadata), dataclasses of those (a
-config) or functions (by identity); an output of fresh tensors (no view,
+config), modules held in a container (by the same rule) or functions (by
+identity); an output of fresh tensors (no view,
 nothing sharing storage with an input). Anything else runs the block as
 before. Module-level state a block reads is in no key, as Dynamo guards none
 of it for a block call either.
@@ -52,7 +53,17 @@ def _value_key(v):
         return ("identity", id(v))
     if dataclasses.is_dataclass(v):  # a config object many blocks hold: by its fields' values
         return (type(v), tuple((f.name, _value_key(getattr(v, f.name))) for f in dataclasses.fields(v)))
+    if isinstance(v, torch.nn.Module):  # one held in a plain container (transformers' kernel wrappers)
+        return ("module", _modules_key(v), tuple((n, _tensor_key(t)) for n, t in (*v.named_parameters(),
+                                                                                  *v.named_buffers())))
     raise _Unkeyable
+
+
+def _modules_key(module: torch.nn.Module) -> tuple:
+    """Each module in ``module`` by its class, mode and plain attributes (its tensors apart)."""
+    return tuple((name, type(m), m.training,
+                  tuple(sorted((k, _value_key(v)) for k, v in vars(m).items() if k not in _MODULE_INTERNALS)))
+                 for name, m in module.named_modules())
 
 
 def _storages(leaves) -> list:
@@ -69,9 +80,7 @@ def call_key(block: torch.nn.Module, args: tuple, kwargs: dict, tensors: tuple):
     """What decides the metadata of ``block``'s output for these inputs, or None if not comparable."""
     leaves, spec = fx.tree_flatten((args, kwargs, tensors))
     try:
-        modules = tuple((name, type(m), m.training,
-                         tuple(sorted((k, _value_key(v)) for k, v in vars(m).items() if k not in _MODULE_INTERNALS)))
-                        for name, m in block.named_modules())
+        modules = _modules_key(block)
         inputs = tuple(_value_key(x) for x in leaves)
     except (_Unkeyable, TypeError):  # TypeError: attribute names that do not sort
         return None
