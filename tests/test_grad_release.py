@@ -141,4 +141,4 @@ def test_gradients_set_to_zeros_are_left_alone():
 
 def test_no_release_outside_a_dynamo_trace():
     gm = torch.fx.symbolic_trace(nn.Linear(3, 3))
-    assert grads_set_to_none(gm) == []
+    assert grads_set_to_none(gm) == ([], [])

@@ -11,7 +11,7 @@ from unittest import mock
 from torch._dynamo import config, eval_frame, resume_execution, utils
 from torch._dynamo.backends.common import aot_autograd
 
-__all__ = ["aot_autograd", "resume_frame_cache", "always_optimized_codes", "cache_entries",
+__all__ = ["aot_autograd", "real_value", "resume_frame_cache", "always_optimized_codes", "cache_entries",
            "current_tracer", "tensor_variable_type", "automatic_dynamic", "functions_ignored", "timer_totals",
            "cache_counters", "trace_record"]
 
@@ -41,6 +41,20 @@ def current_tracer():
     try:
         return InstructionTranslator.current_tx()
     except AttributeError:  # no trace in this thread yet
+        return None
+
+
+def real_value(tx, var):
+    """The real object a traced variable ``var`` of the trace ``tx`` stands for, by its source
+    (``L['model']._modules['layers']...``, evaluated in the traced frame), or None when it has no
+    source plain Python can evaluate."""
+    source = getattr(var, "source", None)
+    if source is None:
+        return None
+    name = source.name() if callable(source.name) else source.name  # a property in newer torch
+    try:
+        return eval(name, {"L": tx.f_locals, "G": tx.f_globals})  # noqa: S307 (Dynamo's own source text)
+    except Exception:
         return None
 
 

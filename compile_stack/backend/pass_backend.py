@@ -101,8 +101,8 @@ class PassBackend:
                 if self.writer:  # the graph Dynamo captured, before it was cut
                     self.writer.begin_graph(f"{self.name}.captured{self.captures}", gm)
                 self.captures += 1
-                return releasing_grads(segmented, released)
-        return releasing_grads(self._compile(gm, example_inputs, self.sites), released)
+                return releasing_grads(segmented, *released)
+        return releasing_grads(self._compile(gm, example_inputs, self.sites), *released)
 
     def _compile_block(self, gm: torch.fx.GraphModule, example_inputs, sites: CallSites, richer: bool = False):
         """``_compile`` of a block segment cut from a captured graph, counted in ``block_graphs``."""
