@@ -189,7 +189,7 @@ class BlockCalls:
 
     @contextlib.contextmanager
     def routed(self):
-        """While active, each block's ``forward`` is its ``call_block`` node.
+        """While active, each block's class is its routed twin, whose forward is a ``call_block`` node.
 
         The blocks' layout is taken here, outside Dynamo (~1 ms at 300 tensors): traced, walking a
         block's ``named_parameters()`` generators cost ~4 s per trace of a 34-block step."""
