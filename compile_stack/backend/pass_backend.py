@@ -23,7 +23,7 @@ import functools
 
 import torch
 
-from compile_stack.backend import graph_breaks, input_masks, inspection, pass_records, segments, settings
+from compile_stack.backend import graph_breaks, input_masks, inspection, pass_records, segments, settings, vec_isas
 from compile_stack.backend.aten_graphs import compile_aten_graphs
 from compile_stack.backend.grad_release import grads_set_to_none, releasing_grads
 from compile_stack.backend.startup import StartupPhases
@@ -146,9 +146,12 @@ class PassBackend:
         # (custom_ops/activation_offload/transfers.py), but Inductor's in-graph reuse of a freed
         # buffer would write into it.
         offloading = self.plan is not None and self.plan.offloading
-        with (self.active(settings.on_gpu(example_inputs)), backward_now,
+        gpu = settings.on_gpu(example_inputs)
+        with (self.active(gpu), backward_now,
               inductor.config_patch(custom_partitioner_fn=partitioner,
                                            **({"allow_buffer_reuse": False} if offloading else {}))):
+            if self.codegen and not gpu:  # its C++ kernels need the host's vector ISAs
+                vec_isas.recall()
             if inductor.graph_returns_tuple(gm):
                 compiled = compile_graph(gm, example_inputs)
             else:  # a segment returning one value

@@ -8,6 +8,8 @@
   scalar bookkeeping (Python floats Inductor turned into 0-d CPU tensors, such
   as an optimizer's bias correction), and Inductor's probe of the host's ISAs
   (a build and a Python process per ISA) cost ~30 s of every start on the H200.
+  A CPU graph's kernels get the ISAs that probe finds, probed once per cache
+  directory (``vec_isas.py``).
 - ``activation_memory_budget`` (AOTAutograd's min-cut partitioner) is how the
   step trades memory for recomputation: 1.0 saves what the partitioner likes,
   lower values recompute more.
