@@ -66,8 +66,14 @@ def _modules_key(module: torch.nn.Module) -> tuple:
                  for name, m in module.named_modules())
 
 
+def storage_of(t: torch.Tensor) -> StorageWeakRef:
+    """The storage ``t`` views, as a key (an FSDP2 shard: its local storage)."""
+    local = t.to_local() if hasattr(t, "to_local") else t
+    return StorageWeakRef(local.untyped_storage())
+
+
 def _storages(leaves) -> list:
-    return [StorageWeakRef(t.untyped_storage()) for t in leaves if isinstance(t, torch.Tensor)]
+    return [storage_of(t) for t in leaves if isinstance(t, torch.Tensor)]
 
 
 def _aliasing(leaves) -> tuple:

@@ -38,12 +38,11 @@ import hashlib
 from collections.abc import Callable
 
 import torch
-from torch.multiprocessing.reductions import StorageWeakRef
 from torch.nn.utils.stateless import _reparametrize_module
 
 from compile_stack.backend.segments import call_block, own_code, register_router
 from compile_stack.capture import fsdp_modules
-from compile_stack.capture.block_fakes import FakeOutput, call_key, fake_tensors
+from compile_stack.capture.block_fakes import FakeOutput, call_key, fake_tensors, storage_of
 
 
 def block_list(model: torch.nn.Module) -> list[torch.nn.Module]:
@@ -111,14 +110,9 @@ def tensor_layout(blocks: list[torch.nn.Module]) -> str:
     ``blocks``, and which of them share storage, as a short digest."""
     storages: dict = {}
     described = [(name, tuple(t.shape), t.stride(), t.dtype, t.device, t.requires_grad,
-                  storages.setdefault(_storage(t), len(storages)))
+                  storages.setdefault(storage_of(t), len(storages)))
                  for block in blocks for name, t in BlockCalls._named_tensors(block)]
     return hashlib.sha256(repr(described).encode()).hexdigest()[:32]
-
-
-def _storage(t: torch.Tensor):
-    local = t.to_local() if hasattr(t, "to_local") else t  # an FSDP2 shard: its local storage
-    return StorageWeakRef(local.untyped_storage())
 
 
 def _plain(module: torch.nn.Module) -> bool:
