@@ -10,7 +10,7 @@
   ``cache_dir=`` sets them only while it compiles and runs (``cache_dir_in_force``),
   leaving the user's environment as it was.
 - What the package records beside the caches for a later start (pass reports,
-  plan records, host buffers) is small JSON, written atomically
+  plan records, host buffers, the host's vector ISAs) is small JSON, written atomically
   (``write_record``) and read as None when missing or damaged (``read_record``).
 """
 import contextlib
